@@ -1,0 +1,1 @@
+//! The shotfleet worker.
