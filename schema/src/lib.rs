@@ -1,1 +1,33 @@
-//! The wire contract.
+//! The shotfleet wire contract, version 1.
+//!
+//! Everything a producer (in any language) and a worker must agree on lives here, and nothing
+//! else: this crate depends on no other shotfleet crate and knows nothing of NATS clients.
+//!
+//! - [`job`]: [`ShotJob`], what a producer publishes.
+//! - [`result`]: [`ShotResult`], what a worker publishes when a job is rendered.
+//! - [`encoding`]: MessagePack or JSON, chosen by the `Content-Type` header.
+//! - [`validate`]: bounds a job must respect, with messages a person can act on.
+//! - [`class`]: the memory class of a job, computed from one image's size.
+//! - [`subject`]: subject names, stream and consumer names.
+//! - [`failure`]: the headers and reasons of a failed record.
+//! - [`json_schema`]: the JSON Schema other languages can validate against.
+
+pub mod class;
+pub mod encoding;
+pub mod failure;
+pub mod job;
+pub mod json_schema;
+pub mod result;
+pub mod subject;
+pub mod validate;
+
+pub use class::MemoryClass;
+pub use encoding::{ContentType, DecodeError, InvalidJob};
+pub use failure::FailureReason;
+pub use job::{Degrade, Floor, Lora, Original, ShotJob};
+pub use result::{ImageRef, ResultStatus, ShotResult, Timing};
+pub use subject::{Priority, SubjectClass};
+pub use validate::{Limits, ValidationError};
+
+/// The contract version this crate speaks. Payloads with another `v` are rejected.
+pub const VERSION: u32 = 1;

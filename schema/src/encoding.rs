@@ -1,0 +1,200 @@
+//! Payload encoding: MessagePack with named fields, or JSON, chosen by the `Content-Type` header.
+//!
+//! JSON is the default when the header is absent, so `nats pub` and curl-like tools work as
+//! they are. Decoding is strict about what matters (the version, types, size) and lenient about
+//! what does not (unknown fields are ignored, for forward compatibility).
+
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+use thiserror::Error;
+
+use crate::VERSION;
+use crate::job::ShotJob;
+use crate::validate::{Limits, ValidationError};
+
+/// The `Content-Type` header's name.
+pub const HEADER: &str = "Content-Type";
+
+/// No payload may be larger than this: a job is a prompt and a few numbers.
+pub const MAX_PAYLOAD_BYTES: usize = 64 * 1024;
+
+/// The two encodings a payload may use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ContentType {
+    #[default]
+    Json,
+    MessagePack,
+}
+
+impl ContentType {
+    /// The header value.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Self::Json => "application/json",
+            Self::MessagePack => "application/msgpack",
+        }
+    }
+
+    /// Reads the header value; `None` (no header) means JSON. Parameters such as
+    /// `; charset=utf-8` are ignored, and `application/x-msgpack` is accepted as an alias.
+    ///
+    /// # Errors
+    /// [`DecodeError::UnsupportedContentType`] for anything else.
+    pub fn from_header(value: Option<&str>) -> Result<Self, DecodeError> {
+        let Some(value) = value else { return Ok(Self::Json) };
+        let essence = value.split(';').next().unwrap_or("").trim().to_ascii_lowercase();
+        match essence.as_str() {
+            "application/json" | "" => Ok(Self::Json),
+            "application/msgpack" | "application/x-msgpack" | "application/vnd.msgpack" => {
+                Ok(Self::MessagePack)
+            }
+            _ => Err(DecodeError::UnsupportedContentType(value.to_owned())),
+        }
+    }
+}
+
+/// Why a payload could not be turned into a value.
+#[derive(Debug, Error, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum DecodeError {
+    #[error("payload is {bytes} bytes; the limit is {limit} (a job is a prompt and a few numbers)")]
+    TooLarge { bytes: usize, limit: usize },
+    #[error("payload is empty")]
+    Empty,
+    #[error(
+        "unsupported Content-Type `{0}`; use application/json (the default) or application/msgpack"
+    )]
+    UnsupportedContentType(String),
+    #[error("JSON payload starts with a UTF-8 byte order mark; send UTF-8 without a BOM")]
+    ByteOrderMark,
+    #[error("malformed {format} payload at `{path}`: {detail}")]
+    Malformed { format: &'static str, path: String, detail: String },
+    #[error("contract version {found} is not supported; this side speaks v{VERSION}")]
+    UnsupportedVersion { found: u64 },
+    #[error("field `v` (contract version) is missing; set \"v\": {VERSION}")]
+    MissingVersion,
+}
+
+/// A job that cannot be used, for either reason. Both are final: retrying does not help.
+#[derive(Debug, Error, Clone, PartialEq)]
+#[non_exhaustive]
+pub enum InvalidJob {
+    #[error(transparent)]
+    Decode(#[from] DecodeError),
+    #[error(transparent)]
+    Invalid(#[from] ValidationError),
+}
+
+/// Encodes a value; MessagePack keeps field names so other languages read it as a map.
+pub fn encode<T: Serialize>(content_type: ContentType, value: &T) -> Vec<u8> {
+    match content_type {
+        ContentType::Json => serde_json::to_vec(value).expect("contract types always serialize"),
+        ContentType::MessagePack => {
+            rmp_serde::to_vec_named(value).expect("contract types always serialize")
+        }
+    }
+}
+
+/// Decodes a job: size, encoding, version, then the fields. Does not validate bounds.
+///
+/// # Errors
+/// A [`DecodeError`] naming the field or the byte that is wrong.
+pub fn decode_job(content_type: Option<&str>, payload: &[u8]) -> Result<ShotJob, DecodeError> {
+    let content_type = ContentType::from_header(content_type)?;
+    let probe: VersionProbe = decode(content_type, payload)?;
+    match probe.v {
+        None => return Err(DecodeError::MissingVersion),
+        Some(v) if v != u64::from(VERSION) => {
+            return Err(DecodeError::UnsupportedVersion { found: v });
+        }
+        Some(_) => {}
+    }
+    decode(content_type, payload)
+}
+
+/// Decodes then validates a job: what a worker does with every message it fetches.
+///
+/// # Errors
+/// [`InvalidJob`]: why the job can never be rendered.
+pub fn parse_job(
+    content_type: Option<&str>,
+    payload: &[u8],
+    limits: &Limits,
+) -> Result<ShotJob, InvalidJob> {
+    let job = decode_job(content_type, payload)?;
+    job.validate(limits)?;
+    Ok(job)
+}
+
+/// Decodes any contract value (results, for example) with the same checks as jobs.
+///
+/// # Errors
+/// A [`DecodeError`] naming the field that is wrong.
+pub fn decode<T: DeserializeOwned>(
+    content_type: ContentType,
+    payload: &[u8],
+) -> Result<T, DecodeError> {
+    if payload.len() > MAX_PAYLOAD_BYTES {
+        return Err(DecodeError::TooLarge { bytes: payload.len(), limit: MAX_PAYLOAD_BYTES });
+    }
+    if payload.is_empty() {
+        return Err(DecodeError::Empty);
+    }
+    match content_type {
+        ContentType::Json => {
+            if payload.starts_with(b"\xEF\xBB\xBF") {
+                return Err(DecodeError::ByteOrderMark);
+            }
+            let mut de = serde_json::Deserializer::from_slice(payload);
+            let value = serde_path_to_error::deserialize(&mut de)
+                .map_err(|e| malformed("JSON", e))?;
+            de.end().map_err(|e| DecodeError::Malformed {
+                format: "JSON",
+                path: ".".into(),
+                detail: e.to_string(),
+            })?;
+            Ok(value)
+        }
+        ContentType::MessagePack => {
+            let mut de = rmp_serde::Deserializer::from_read_ref(payload);
+            serde_path_to_error::deserialize(&mut de).map_err(|e| malformed("MessagePack", e))
+        }
+    }
+}
+
+fn malformed<E: std::fmt::Display>(
+    format: &'static str,
+    error: serde_path_to_error::Error<E>,
+) -> DecodeError {
+    DecodeError::Malformed {
+        format,
+        path: error.path().to_string(),
+        detail: error.inner().to_string(),
+    }
+}
+
+/// Reads only `v`, so a payload of another version is named as such rather than failing on
+/// whichever field changed.
+#[derive(Deserialize)]
+struct VersionProbe {
+    #[serde(default)]
+    v: Option<u64>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn content_type_header_is_read_leniently() {
+        assert_eq!(ContentType::from_header(None), Ok(ContentType::Json));
+        assert_eq!(
+            ContentType::from_header(Some("Application/MsgPack; q=1")),
+            Ok(ContentType::MessagePack)
+        );
+        assert!(matches!(
+            ContentType::from_header(Some("text/plain")),
+            Err(DecodeError::UnsupportedContentType(_))
+        ));
+    }
+}

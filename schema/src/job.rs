@@ -1,0 +1,113 @@
+//! The shot job: what a producer asks a worker to render.
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use crate::class::MemoryClass;
+
+/// One storyboard shot to render: a prompt and its parameters, and how many images of it.
+///
+/// The priority is not a field: it is the subject's (`shots.<prio>.<class>.<project>`), so that a
+/// worker can choose what to fetch without opening payloads. Unknown fields are ignored, so a
+/// newer producer can add optional fields without breaking older workers.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[schemars(title = "ShotJob", description = "A shotfleet render job, contract version 1.")]
+pub struct ShotJob {
+    /// Contract version; must be 1.
+    #[schemars(range(min = 1, max = 1))]
+    pub v: u32,
+    /// Unique per job; the deduplication key (`Nats-Msg-Id`). Letters, digits, `_` and `-`.
+    #[schemars(length(min = 1, max = 96), regex(pattern = r"^[A-Za-z0-9_-]+$"))]
+    pub job_id: String,
+    /// The project (account, series) the shot belongs to; part of subjects and object keys.
+    #[schemars(length(min = 1, max = 64), regex(pattern = r"^[A-Za-z0-9_-]+$"))]
+    pub project: String,
+    /// The shot's id inside its storyboard; part of the image object keys.
+    #[schemars(length(min = 1, max = 96), regex(pattern = r"^[A-Za-z0-9_-]+$"))]
+    pub shot_id: String,
+    /// What to render. Non-empty; at most 8 KiB of UTF-8 by default.
+    #[schemars(length(min = 1))]
+    pub prompt: String,
+    /// What to steer away from. Absent or empty means SDXL's zero negative embedding.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub negative_prompt: Option<String>,
+    /// Image width in pixels: a positive multiple of 8.
+    #[schemars(range(min = 8))]
+    pub width: u32,
+    /// Image height in pixels: a positive multiple of 8.
+    #[schemars(range(min = 8))]
+    pub height: u32,
+    /// Denoising steps.
+    #[schemars(range(min = 1))]
+    pub steps: u32,
+    /// Classifier-free guidance scale (finite).
+    pub guidance: f32,
+    /// Seed of image 0; image `i` uses the noise of (`seed`, `i`), however the images are batched.
+    pub seed: u64,
+    /// How many images of this shot to render.
+    #[serde(default = "one")]
+    #[schemars(range(min = 1))]
+    pub images: u32,
+    /// LoRA adapters to apply, by name, with their weights.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub loras: Vec<Lora>,
+    /// The least a degraded render may fall to; absent means the job must not be degraded
+    /// below the ladder's own lower end.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub floor: Option<Floor>,
+    /// Set by a worker that re-published this job one rung down the degrade ladder.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub degrade: Option<Degrade>,
+}
+
+fn one() -> u32 {
+    1
+}
+
+/// A LoRA adapter by name and weight.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct Lora {
+    /// Letters, digits, `_`, `-` and `.`; no path separators, no `..`.
+    #[schemars(length(min = 1, max = 96), regex(pattern = r"^[A-Za-z0-9_.-]+$"))]
+    pub name: String,
+    /// Strength, finite.
+    pub weight: f32,
+}
+
+/// The lowest quality a producer accepts when a job is degraded after running out of memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct Floor {
+    /// The shorter image side may not fall below this many pixels.
+    pub min_side: u32,
+    /// Steps may not fall below this.
+    pub min_steps: u32,
+}
+
+/// How far down the degrade ladder a job has been sent, and what it was before.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct Degrade {
+    /// Rungs taken: 1 for the first re-publish.
+    pub level: u32,
+    /// The job's size and steps as the producer sent them.
+    pub from: Original,
+}
+
+/// A job's size and steps before any degrade.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct Original {
+    pub width: u32,
+    pub height: u32,
+    pub steps: u32,
+}
+
+impl ShotJob {
+    /// The memory class of one image of this job, which picks its subject.
+    pub fn class(&self) -> MemoryClass {
+        MemoryClass::of_size(self.width, self.height)
+    }
+
+    /// The negative prompt, `None` when absent or empty.
+    pub fn negative(&self) -> Option<&str> {
+        self.negative_prompt.as_deref().filter(|n| !n.is_empty())
+    }
+}

@@ -1,0 +1,240 @@
+//! Subjects, streams and consumer names: the topology's vocabulary.
+//!
+//! | what | subject |
+//! | --- | --- |
+//! | a job | `shots.<p0\|p1\|p2>.<xs\|s\|m\|l\|xl\|auto>.<project>` |
+//! | a result | `shots.done.<project>.<job_id>` |
+//! | a failed record | `shots.failed.<prio>.<project>` |
+//!
+//! `auto` is for clients that do not compute the memory class; a worker re-publishes such a job
+//! to its class subject before anyone renders it.
+
+use std::fmt;
+use std::str::FromStr;
+
+use crate::class::MemoryClass;
+
+/// The work-queue stream holding jobs.
+pub const JOBS_STREAM: &str = "SHOTS";
+/// The stream holding results, one per job (the commit point).
+pub const RESULTS_STREAM: &str = "SHOT_RESULTS";
+/// The stream holding failed records, replayable.
+pub const FAILED_STREAM: &str = "SHOTS_FAILED";
+
+/// Root of every subject.
+pub const ROOT: &str = "shots";
+
+/// A job's urgency: `p0` (urgent, anchor shots) before `p1` (normal) before `p2` (backfill).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Priority {
+    P0,
+    P1,
+    P2,
+}
+
+impl Priority {
+    /// Every priority, most urgent first.
+    pub const ALL: [Priority; 3] = [Self::P0, Self::P1, Self::P2];
+
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Self::P0 => "p0",
+            Self::P1 => "p1",
+            Self::P2 => "p2",
+        }
+    }
+
+    /// 0 for `p0`, the most urgent.
+    pub const fn rank(self) -> usize {
+        self as usize
+    }
+}
+
+impl fmt::Display for Priority {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for Priority {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Self::ALL
+            .into_iter()
+            .find(|p| p.as_str() == s)
+            .ok_or_else(|| format!("unknown priority `{s}`; expected p0, p1 or p2"))
+    }
+}
+
+/// The class token of a job subject: a memory class, or `auto` (a worker routes it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum SubjectClass {
+    Class(MemoryClass),
+    Auto,
+}
+
+impl SubjectClass {
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Self::Class(class) => class.as_str(),
+            Self::Auto => "auto",
+        }
+    }
+}
+
+impl fmt::Display for SubjectClass {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for SubjectClass {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        if s == "auto" {
+            return Ok(Self::Auto);
+        }
+        s.parse::<MemoryClass>()
+            .map(Self::Class)
+            .map_err(|_| format!("unknown class `{s}`; expected xs, s, m, l, xl or auto"))
+    }
+}
+
+/// Where a job is published: `shots.<prio>.<class>.<project>`.
+pub fn job(priority: Priority, class: SubjectClass, project: &str) -> String {
+    format!("{ROOT}.{priority}.{class}.{project}")
+}
+
+/// Where a job's result is published: `shots.done.<project>.<job_id>`.
+pub fn result(project: &str, job_id: &str) -> String {
+    format!("{ROOT}.done.{project}.{job_id}")
+}
+
+/// Where a failed record is published: `shots.failed.<prio>.<project>`.
+pub fn failed(priority: Priority, project: &str) -> String {
+    format!("{ROOT}.failed.{priority}.{project}")
+}
+
+/// The subjects the jobs stream captures (one wildcard per priority, so `shots.done.*` and
+/// `shots.failed.*` stay out of it).
+pub fn jobs_stream_subjects() -> Vec<String> {
+    Priority::ALL.iter().map(|p| format!("{ROOT}.{p}.>")).collect()
+}
+
+/// The subjects the results stream captures.
+pub fn results_stream_subjects() -> Vec<String> {
+    vec![format!("{ROOT}.done.>")]
+}
+
+/// The subjects the failed stream captures.
+pub fn failed_stream_subjects() -> Vec<String> {
+    vec![format!("{ROOT}.failed.>")]
+}
+
+/// The durable pull consumer serving one (priority, class), and its one filter subject.
+///
+/// One filter per consumer: nats-server 2.9 silently ignores `filter_subjects`, and a work-queue
+/// stream needs the filters of its consumers not to overlap.
+pub fn consumer(priority: Priority, class: SubjectClass) -> (String, String) {
+    (format!("render-{priority}-{class}"), format!("{ROOT}.{priority}.{class}.*"))
+}
+
+/// A job subject taken apart.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct JobSubject {
+    pub priority: Priority,
+    pub class: SubjectClass,
+    pub project: String,
+}
+
+/// Parses `shots.<prio>.<class>.<project>`.
+///
+/// # Errors
+/// A message naming the part that is wrong.
+pub fn parse_job(subject: &str) -> Result<JobSubject, String> {
+    let parts: Vec<&str> = subject.split('.').collect();
+    let [root, priority, class, project] = parts[..] else {
+        return Err(format!(
+            "job subject `{subject}` must have four parts: shots.<prio>.<class>.<project>"
+        ));
+    };
+    if root != ROOT {
+        return Err(format!("job subject `{subject}` must start with `{ROOT}.`"));
+    }
+    Ok(JobSubject {
+        priority: priority.parse()?,
+        class: class.parse()?,
+        project: project.to_owned(),
+    })
+}
+
+/// Parses `shots.failed.<prio>.<project>` into its priority and project.
+///
+/// # Errors
+/// A message naming the part that is wrong.
+pub fn parse_failed(subject: &str) -> Result<(Priority, String), String> {
+    match subject.split('.').collect::<Vec<_>>()[..] {
+        [ROOT, "failed", priority, project] => Ok((priority.parse()?, project.to_owned())),
+        _ => Err(format!("`{subject}` is not a failed subject: shots.failed.<prio>.<project>")),
+    }
+}
+
+/// Message ids (`Nats-Msg-Id`) beside the job's own id: one per kind of publish, so the
+/// server's duplicate window makes each publish idempotent.
+pub mod msg_id {
+    /// A job's result.
+    pub fn done(job_id: &str) -> String {
+        format!("{job_id}:done")
+    }
+    /// A job re-published by a worker from `auto` (or a wrong class) to its class subject.
+    pub fn route(job_id: &str) -> String {
+        format!("{job_id}:route")
+    }
+    /// A job re-published one rung down the degrade ladder.
+    pub fn degrade(job_id: &str, level: u32) -> String {
+        format!("{job_id}:deg:{level}")
+    }
+    /// A failed record.
+    pub fn failed(job_id: &str, attempt: u64) -> String {
+        format!("{job_id}:failed:{attempt}")
+    }
+    /// A job replayed from the failed stream, the `n`th time.
+    pub fn replay(job_id: &str, n: u64) -> String {
+        format!("{job_id}:replay:{n}")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn job_subjects_round_trip() {
+        let s = job(Priority::P1, SubjectClass::Class(MemoryClass::M), "acme");
+        assert_eq!(s, "shots.p1.m.acme");
+        let parsed = parse_job(&s).unwrap();
+        assert_eq!(parsed.priority, Priority::P1);
+        assert_eq!(parsed.class, SubjectClass::Class(MemoryClass::M));
+        assert_eq!(parsed.project, "acme");
+        assert_eq!(parse_job("shots.p2.auto.x").unwrap().class, SubjectClass::Auto);
+    }
+
+    #[test]
+    fn bad_job_subjects_name_the_part() {
+        assert!(parse_job("shots.p3.m.acme").unwrap_err().contains("p3"));
+        assert!(parse_job("shots.p0.huge.acme").unwrap_err().contains("huge"));
+        assert!(parse_job("shots.p0.m").unwrap_err().contains("four parts"));
+        assert!(parse_job("jobs.p0.m.acme").unwrap_err().contains("start with"));
+    }
+
+    #[test]
+    fn stream_subjects_do_not_overlap() {
+        // `shots.done.a.b` has four tokens like a job subject: the jobs stream must not take it.
+        for s in jobs_stream_subjects() {
+            assert!(!s.starts_with("shots.done") && !s.starts_with("shots.failed"));
+        }
+        assert_eq!(parse_failed(&failed(Priority::P2, "acme")).unwrap(), (Priority::P2, "acme".into()));
+    }
+}

@@ -1,0 +1,227 @@
+//! Bounds a job must respect before a worker spends a GPU on it.
+//!
+//! Every problem is reported with the field's name and what would fix it; all problems of a job
+//! are reported at once, so a person fixes a storyboard line in one go.
+
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+
+use crate::VERSION;
+use crate::job::ShotJob;
+
+/// Configurable bounds. The defaults suit SDXL on 8 to 141 GB cards.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Limits {
+    /// Smallest allowed width or height, pixels.
+    pub min_side: u32,
+    /// Largest allowed width or height, pixels.
+    pub max_side: u32,
+    pub max_steps: u32,
+    pub max_images: u32,
+    pub min_guidance: f32,
+    pub max_guidance: f32,
+    /// Bytes of UTF-8, for the prompt and for the negative prompt each.
+    pub max_prompt_bytes: usize,
+    pub max_loras: usize,
+    /// LoRA weights must lie in `-max_lora_weight..=max_lora_weight`.
+    pub max_lora_weight: f32,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            min_side: 64,
+            max_side: 2048,
+            max_steps: 150,
+            max_images: 8,
+            min_guidance: 0.0,
+            max_guidance: 30.0,
+            max_prompt_bytes: 8 * 1024,
+            max_loras: 8,
+            max_lora_weight: 4.0,
+        }
+    }
+}
+
+/// Longest id (job, project, shot, LoRA name), bytes.
+pub const MAX_ID_BYTES: usize = 96;
+/// Longest project name: it is a subject token and an object key part on every job.
+pub const MAX_PROJECT_BYTES: usize = 64;
+
+/// One thing wrong with one field.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Problem {
+    /// The field's path, e.g. `width` or `loras[2].name`.
+    pub field: String,
+    pub message: String,
+}
+
+/// Everything wrong with a job.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub struct ValidationError {
+    pub problems: Vec<Problem>,
+}
+
+impl ValidationError {
+    /// The first offending field, for one-line reports.
+    pub fn first_field(&self) -> &str {
+        self.problems.first().map_or("", |p| p.field.as_str())
+    }
+}
+
+impl fmt::Display for ValidationError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (i, problem) in self.problems.iter().enumerate() {
+            if i > 0 {
+                f.write_str("; ")?;
+            }
+            write!(f, "{}: {}", problem.field, problem.message)?;
+        }
+        Ok(())
+    }
+}
+
+impl ShotJob {
+    /// Checks the job against `limits`.
+    ///
+    /// # Errors
+    /// A [`ValidationError`] listing every field that is out of bounds.
+    pub fn validate(&self, limits: &Limits) -> Result<(), ValidationError> {
+        let mut check = Checker::default();
+        if self.v != VERSION {
+            check.fail("v", format!("contract version {} is not supported; use {VERSION}", self.v));
+        }
+        check.id("job_id", &self.job_id, MAX_ID_BYTES, IdKind::Plain);
+        check.id("project", &self.project, MAX_PROJECT_BYTES, IdKind::Plain);
+        check.id("shot_id", &self.shot_id, MAX_ID_BYTES, IdKind::Plain);
+        check.prompt("prompt", &self.prompt, limits.max_prompt_bytes, true);
+        if let Some(negative) = &self.negative_prompt {
+            check.prompt("negative_prompt", negative, limits.max_prompt_bytes, false);
+        }
+        check.side("width", self.width, limits);
+        check.side("height", self.height, limits);
+        check.range("steps", self.steps, 1, limits.max_steps);
+        check.range("images", self.images, 1, limits.max_images);
+        check.finite_range("guidance", self.guidance, limits.min_guidance, limits.max_guidance);
+        if self.loras.len() > limits.max_loras {
+            check.fail(
+                "loras",
+                format!("{} LoRAs given; at most {} are allowed", self.loras.len(), limits.max_loras),
+            );
+        }
+        for (i, lora) in self.loras.iter().enumerate() {
+            check.id(&format!("loras[{i}].name"), &lora.name, MAX_ID_BYTES, IdKind::FileName);
+            let max = limits.max_lora_weight;
+            check.finite_range(&format!("loras[{i}].weight"), lora.weight, -max, max);
+        }
+        if let Some(floor) = self.floor {
+            let short_side = self.width.min(self.height);
+            if floor.min_side == 0 || floor.min_side % 8 != 0 || floor.min_side > short_side {
+                check.fail(
+                    "floor.min_side",
+                    format!(
+                        "{} must be a positive multiple of 8 no larger than the shorter side ({short_side})",
+                        floor.min_side
+                    ),
+                );
+            }
+            if floor.min_steps == 0 || floor.min_steps > self.steps {
+                check.fail(
+                    "floor.min_steps",
+                    format!("{} must be between 1 and steps ({})", floor.min_steps, self.steps),
+                );
+            }
+        }
+        if let Some(degrade) = self.degrade
+            && degrade.level == 0
+        {
+            check.fail("degrade.level", "must be 1 or more (0 means not degraded: omit it)".into());
+        }
+        check.finish()
+    }
+}
+
+#[derive(Clone, Copy)]
+enum IdKind {
+    /// Letters, digits, `_`, `-`: safe in subjects, message ids and object keys.
+    Plain,
+    /// As plain, plus `.` (but never `..` nor a leading dot): names files such as LoRAs.
+    FileName,
+}
+
+#[derive(Default)]
+struct Checker {
+    problems: Vec<Problem>,
+}
+
+impl Checker {
+    fn fail(&mut self, field: &str, message: String) {
+        self.problems.push(Problem { field: field.to_owned(), message });
+    }
+
+    fn finish(self) -> Result<(), ValidationError> {
+        if self.problems.is_empty() {
+            Ok(())
+        } else {
+            Err(ValidationError { problems: self.problems })
+        }
+    }
+
+    fn id(&mut self, field: &str, value: &str, max_bytes: usize, kind: IdKind) {
+        let allowed = |c: char| {
+            c.is_ascii_alphanumeric() || c == '_' || c == '-' || (matches!(kind, IdKind::FileName) && c == '.')
+        };
+        let charset = match kind {
+            IdKind::Plain => "letters, digits, `_` and `-`",
+            IdKind::FileName => "letters, digits, `_`, `-` and `.`",
+        };
+        if value.is_empty() {
+            self.fail(field, "must not be empty".into());
+        } else if value.len() > max_bytes {
+            self.fail(field, format!("is {} bytes long; at most {max_bytes} are allowed", value.len()));
+        } else if let Some(bad) = value.chars().find(|c| !allowed(*c)) {
+            self.fail(field, format!("contains {bad:?}; only {charset} are allowed"));
+        } else if value.contains("..") || value.starts_with('.') {
+            self.fail(field, "must not contain `..` or start with `.`".into());
+        }
+    }
+
+    fn prompt(&mut self, field: &str, value: &str, max_bytes: usize, required: bool) {
+        if required && value.trim().is_empty() {
+            self.fail(field, "must not be empty".into());
+        }
+        if value.len() > max_bytes {
+            self.fail(field, format!("is {} bytes long; at most {max_bytes} are allowed", value.len()));
+        }
+        if value.contains('\0') {
+            self.fail(field, "contains a NUL character".into());
+        }
+    }
+
+    fn side(&mut self, field: &str, value: u32, limits: &Limits) {
+        if value % 8 != 0 || value == 0 {
+            self.fail(field, format!("{value} must be a positive multiple of 8 (e.g. {})", value.div_ceil(8).max(1) * 8));
+        } else if value < limits.min_side || value > limits.max_side {
+            self.fail(
+                field,
+                format!("{value} is outside {}..={} pixels", limits.min_side, limits.max_side),
+            );
+        }
+    }
+
+    fn range(&mut self, field: &str, value: u32, min: u32, max: u32) {
+        if value < min || value > max {
+            self.fail(field, format!("{value} is outside {min}..={max}"));
+        }
+    }
+
+    fn finite_range(&mut self, field: &str, value: f32, min: f32, max: f32) {
+        if !value.is_finite() {
+            self.fail(field, format!("{value} is not a finite number"));
+        } else if value < min || value > max {
+            self.fail(field, format!("{value} is outside {min}..={max}"));
+        }
+    }
+}

@@ -1,0 +1,125 @@
+//! A corpus of malformed payloads: each is rejected with a specific error, never a panic.
+
+use shotfleet_schema::encoding::{DecodeError, InvalidJob, parse_job};
+use shotfleet_schema::Limits;
+
+const GOOD: &str = r#"{"v":1,"job_id":"j1","project":"acme","shot_id":"s1","prompt":"a cat",
+    "width":512,"height":512,"steps":20,"guidance":5.0,"seed":1}"#;
+
+fn json_with(field: &str, value: &str) -> Vec<u8> {
+    let mut v: serde_json::Value = serde_json::from_str(GOOD).unwrap();
+    v[field] = serde_json::from_str(value).unwrap();
+    serde_json::to_vec(&v).unwrap()
+}
+
+/// What a case expects: a decode error whose text contains `needle`, or a validation problem on
+/// `field` whose message contains `needle`.
+enum Expect {
+    Decode(&'static str),
+    Field(&'static str, &'static str),
+}
+
+fn check(name: &str, content_type: Option<&str>, payload: &[u8], expect: Expect) {
+    let outcome = parse_job(content_type, payload, &Limits::default());
+    match (outcome, expect) {
+        (Err(InvalidJob::Decode(e)), Expect::Decode(needle)) => {
+            assert!(e.to_string().contains(needle), "{name}: `{e}` should mention `{needle}`");
+        }
+        (Err(InvalidJob::Invalid(e)), Expect::Field(field, needle)) => {
+            let hit = e.problems.iter().any(|p| p.field == field && p.message.contains(needle));
+            assert!(hit, "{name}: `{e}` should say `{needle}` about `{field}`");
+        }
+        (other, _) => panic!("{name}: unexpected outcome {other:?}"),
+    }
+}
+
+fn msgpack(value: &serde_json::Value) -> Vec<u8> {
+    rmp_serde::to_vec_named(value).unwrap()
+}
+
+#[test]
+fn decode_errors_are_specific() {
+    let good: serde_json::Value = serde_json::from_str(GOOD).unwrap();
+    let full = msgpack(&good);
+    check("truncated msgpack", Some("application/msgpack"), &full[..full.len() / 2], Expect::Decode("MessagePack"));
+    check("empty payload", None, b"", Expect::Decode("empty"));
+    check("empty object", None, b"{}", Expect::Decode("`v`"));
+    check("unknown version", None, &json_with("v", "2"), Expect::Decode("version 2"));
+    check("version as string", None, &json_with("v", "\"1\""), Expect::Decode("at `v`"));
+    check("wrong type", None, &json_with("width", "\"wide\""), Expect::Decode("at `width`"));
+    check("negative size", None, &json_with("height", "-8"), Expect::Decode("at `height`"));
+    check("huge number", None, &json_with("width", "99999999999999"), Expect::Decode("at `width`"));
+    check("seed beyond u64", None, &json_with("seed", "1e30"), Expect::Decode("at `seed`"));
+    check("lora not a list", None, &json_with("loras", "{}"), Expect::Decode("at `loras`"));
+    check("bom", None, &[b"\xEF\xBB\xBF".as_slice(), GOOD.as_bytes()].concat(), Expect::Decode("byte order mark"));
+    check("trailing garbage", None, &[GOOD.as_bytes(), b"}"].concat(), Expect::Decode("trailing"));
+    check("not json", None, b"prompt=a cat", Expect::Decode("malformed JSON"));
+    check("unknown content type", Some("text/yaml"), GOOD.as_bytes(), Expect::Decode("Content-Type"));
+    check("json sent as msgpack", Some("application/msgpack"), GOOD.as_bytes(), Expect::Decode("MessagePack"));
+
+    let mut big = good.clone();
+    big["prompt"] = serde_json::Value::String("x".repeat(10 * 1024 * 1024));
+    check("10 MB prompt", None, &serde_json::to_vec(&big).unwrap(), Expect::Decode("limit"));
+
+    // A MessagePack string holding bytes that are not UTF-8: 0xa2 = fixstr of 2 bytes.
+    let mut bad_utf8 = msgpack(&good);
+    let at = bad_utf8.windows(6).position(|w| w == b"\xa5a cat").expect("prompt in payload");
+    bad_utf8.splice(at..at + 6, [0xa5, b'a', 0xff, 0xfe, b'a', b't']);
+    check("non-UTF-8 string", Some("application/msgpack"), &bad_utf8, Expect::Decode("prompt"));
+    // The same in JSON: a raw 0xff byte inside a string.
+    let raw = GOOD.replace("a cat", "a \u{1}cat").into_bytes();
+    let mut raw_bad = raw.clone();
+    let at = raw_bad.iter().position(|b| *b == 1).unwrap();
+    raw_bad[at] = 0xff;
+    check("non-UTF-8 JSON", None, &raw_bad, Expect::Decode("malformed JSON"));
+}
+
+#[test]
+fn validation_errors_name_the_field() {
+    // JSON has no NaN; MessagePack does.
+    check("nan guidance", Some("application/msgpack"), &{
+        let mut job: shotfleet_schema::ShotJob = serde_json::from_str(GOOD).unwrap();
+        job.guidance = f32::NAN;
+        rmp_serde::to_vec_named(&job).unwrap()
+    }, Expect::Field("guidance", "finite"));
+    check("infinite guidance", Some("application/msgpack"), &{
+        let mut job: shotfleet_schema::ShotJob = serde_json::from_str(GOOD).unwrap();
+        job.guidance = f32::INFINITY;
+        rmp_serde::to_vec_named(&job).unwrap()
+    }, Expect::Field("guidance", "finite"));
+    check("dotdot id", None, &json_with("job_id", "\"../../etc\""), Expect::Field("job_id", "'.'"));
+    check("slash in project", None, &json_with("project", "\"a/b\""), Expect::Field("project", "'/'"));
+    check("dot in shot", None, &json_with("shot_id", "\"s.1\""), Expect::Field("shot_id", "'.'"));
+    check("dotdot lora", None, &json_with("loras", r#"[{"name":"..","weight":1}]"#), Expect::Field("loras[0].name", "`..`"));
+    check("lora path", None, &json_with("loras", r#"[{"name":"a/b.safetensors","weight":1}]"#), Expect::Field("loras[0].name", "'/'"));
+    check("lora weight", None, &json_with("loras", r#"[{"name":"ok","weight":1e9}]"#), Expect::Field("loras[0].weight", "outside"));
+    check("long id", None, &json_with("job_id", &format!("\"{}\"", "j".repeat(200))), Expect::Field("job_id", "bytes"));
+    check("empty prompt", None, &json_with("prompt", "\"   \""), Expect::Field("prompt", "empty"));
+    check("long prompt", None, &json_with("prompt", &format!("\"{}\"", "p".repeat(9000))), Expect::Field("prompt", "bytes"));
+    check("not multiple of 8", None, &json_with("width", "513"), Expect::Field("width", "multiple of 8"));
+    check("zero size", None, &json_with("height", "0"), Expect::Field("height", "positive"));
+    check("100000 px", None, &json_with("width", "100000"), Expect::Field("width", "outside"));
+    check("zero steps", None, &json_with("steps", "0"), Expect::Field("steps", "outside"));
+    check("too many images", None, &json_with("images", "1000"), Expect::Field("images", "outside"));
+    check("floor above size", None, &json_with("floor", r#"{"min_side":1024,"min_steps":5}"#), Expect::Field("floor.min_side", "shorter side"));
+    check("floor steps", None, &json_with("floor", r#"{"min_side":256,"min_steps":50}"#), Expect::Field("floor.min_steps", "steps"));
+}
+
+#[test]
+fn every_problem_is_reported_at_once() {
+    let mut v: serde_json::Value = serde_json::from_str(GOOD).unwrap();
+    v["width"] = 7.into();
+    v["steps"] = 0.into();
+    v["project"] = "a b".into();
+    let err = parse_job(None, &serde_json::to_vec(&v).unwrap(), &Limits::default()).unwrap_err();
+    let InvalidJob::Invalid(err) = err else { panic!("{err:?}") };
+    let fields: Vec<&str> = err.problems.iter().map(|p| p.field.as_str()).collect();
+    assert_eq!(fields, ["project", "width", "steps"]);
+}
+
+#[test]
+fn decode_error_type_is_exported() {
+    // Callers match on the kind to decide what to do; keep the variants reachable.
+    let e = parse_job(None, b"", &Limits::default()).unwrap_err();
+    assert!(matches!(e, InvalidJob::Decode(DecodeError::Empty)));
+}
