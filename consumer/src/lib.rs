@@ -1,1 +1,2 @@
 //! The shotfleet worker.
+pub mod pipeline;

@@ -1,0 +1,144 @@
+//! The model folder (Hugging Face Optimum's SDXL ONNX layout): its files and JSON configs,
+//! read and checked before any graph is loaded, so a broken folder is refused at start with the
+//! file at fault named.
+
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+use serde::de::DeserializeOwned;
+
+use super::error::LoadError;
+use super::scheduler::SchedulerConfig;
+
+/// The files of the layout, relative to the folder.
+pub(crate) const TEXT_ENCODER: &str = "text_encoder/model.onnx";
+pub(crate) const TEXT_ENCODER_2: &str = "text_encoder_2/model.onnx";
+pub(crate) const UNET: &str = "unet/model.onnx";
+pub(crate) const VAE_DECODER: &str = "vae_decoder/model.onnx";
+pub(crate) const TOKENIZER: &str = "tokenizer";
+pub(crate) const TOKENIZER_2: &str = "tokenizer_2";
+
+/// `model_index.json`: only the pipeline-level switch the render needs.
+#[derive(Debug, Deserialize)]
+struct ModelIndex {
+    /// SDXL: an absent negative prompt means zero negative embeddings, not encoded "".
+    #[serde(default = "yes")]
+    force_zeros_for_empty_prompt: bool,
+}
+
+fn yes() -> bool {
+    true
+}
+
+/// `text_encoder*/config.json`.
+#[derive(Debug, Deserialize)]
+pub(crate) struct TextEncoderConfig {
+    pub vocab_size: usize,
+}
+
+/// `vae_decoder/config.json`.
+#[derive(Debug, Deserialize)]
+struct VaeConfig {
+    #[serde(default = "default_scaling_factor")]
+    scaling_factor: f32,
+    #[serde(default = "default_blocks")]
+    block_out_channels: Vec<u32>,
+    #[serde(default)]
+    latent_channels: Option<usize>,
+    #[serde(default)]
+    latents_mean: Option<serde_json::Value>,
+}
+
+/// diffusers' `AutoencoderKL` default; SDXL's config says 0.13025.
+fn default_scaling_factor() -> f32 {
+    0.18215
+}
+
+fn default_blocks() -> Vec<u32> {
+    vec![128, 256, 512, 512]
+}
+
+/// What the folder's JSON says, validated.
+#[derive(Debug, Clone)]
+pub(crate) struct FolderConfig {
+    pub dir: PathBuf,
+    pub name: String,
+    pub force_zeros_for_empty_prompt: bool,
+    pub scheduler: SchedulerConfig,
+    pub vae_scaling_factor: f32,
+    /// Pixels per latent element along each side: 2^(VAE blocks - 1).
+    pub vae_scale_factor: u32,
+    pub vae_latent_channels: Option<usize>,
+    pub text_encoder_vocab: usize,
+    pub text_encoder_2_vocab: usize,
+}
+
+impl FolderConfig {
+    /// Reads and checks every JSON file and the presence of every graph and tokenizer file.
+    ///
+    /// # Errors
+    /// The first missing or malformed file, named.
+    pub(crate) fn read(dir: &Path) -> Result<FolderConfig, LoadError> {
+        if !dir.is_dir() {
+            return Err(LoadError::MissingFile { path: dir.to_path_buf() });
+        }
+        for graph in [TEXT_ENCODER, TEXT_ENCODER_2, UNET, VAE_DECODER] {
+            require_file(&dir.join(graph))?;
+        }
+        for tok in [TOKENIZER, TOKENIZER_2] {
+            for file in ["vocab.json", "merges.txt"] {
+                require_file(&dir.join(tok).join(file))?;
+            }
+        }
+        let index: ModelIndex = read_json(&dir.join("model_index.json"))?;
+        let scheduler_path = dir.join("scheduler/scheduler_config.json");
+        let scheduler: SchedulerConfig = read_json(&scheduler_path)?;
+        // Validate now: an unsupported sampler option must stop the load, not the first job.
+        super::scheduler::EulerDiscrete::new(&scheduler)
+            .map_err(|detail| LoadError::Invalid { path: scheduler_path.clone(), detail })?;
+        let vae_path = dir.join("vae_decoder/config.json");
+        let vae: VaeConfig = read_json(&vae_path)?;
+        if vae.latents_mean.as_ref().is_some_and(|v| !v.is_null()) {
+            return Err(LoadError::Invalid {
+                path: vae_path,
+                detail: "latents_mean/latents_std (a non-SDXL VAE) are not supported".into(),
+            });
+        }
+        if !(vae.scaling_factor.is_finite() && vae.scaling_factor > 0.0) || vae.block_out_channels.is_empty() {
+            return Err(LoadError::Invalid {
+                path: vae_path,
+                detail: "scaling_factor must be positive and block_out_channels non-empty".into(),
+            });
+        }
+        let te1: TextEncoderConfig = read_json(&dir.join("text_encoder/config.json"))?;
+        let te2: TextEncoderConfig = read_json(&dir.join("text_encoder_2/config.json"))?;
+        let name = dir
+            .canonicalize()
+            .ok()
+            .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
+            .unwrap_or_else(|| "model".into());
+        Ok(FolderConfig {
+            dir: dir.to_path_buf(),
+            name,
+            force_zeros_for_empty_prompt: index.force_zeros_for_empty_prompt,
+            scheduler,
+            vae_scaling_factor: vae.scaling_factor,
+            vae_scale_factor: 1 << (vae.block_out_channels.len() - 1),
+            vae_latent_channels: vae.latent_channels,
+            text_encoder_vocab: te1.vocab_size,
+            text_encoder_2_vocab: te2.vocab_size,
+        })
+    }
+}
+
+fn require_file(path: &Path) -> Result<(), LoadError> {
+    if path.is_file() { Ok(()) } else { Err(LoadError::MissingFile { path: path.to_path_buf() }) }
+}
+
+fn read_json<T: DeserializeOwned>(path: &Path) -> Result<T, LoadError> {
+    let bytes = std::fs::read(path).map_err(|source| match source.kind() {
+        std::io::ErrorKind::NotFound => LoadError::MissingFile { path: path.to_path_buf() },
+        _ => LoadError::Io { path: path.to_path_buf(), source },
+    })?;
+    serde_json::from_slice(&bytes).map_err(|source| LoadError::Json { path: path.to_path_buf(), source })
+}

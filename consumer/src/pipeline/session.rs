@@ -1,0 +1,267 @@
+//! ONNX Runtime: the process-wide environment, session building per device, and the tensors the
+//! pipeline feeds (converted to whatever element type each graph declares).
+
+use std::path::{Path, PathBuf};
+use std::sync::{Mutex, MutexGuard};
+
+use half::f16;
+use ort::environment::Environment;
+use ort::session::Session;
+use ort::session::builder::GraphOptimizationLevel;
+use ort::value::{DynTensor, DynValue, Tensor, TensorElementType, ValueType};
+
+use super::error::LoadError;
+use super::{Device, PipelineOptions};
+
+/// ONNX Runtime allows one environment per process (`ort` refuses a second `build`), so it lives
+/// for the whole process and every pipeline shares it.
+static ENVIRONMENT: Mutex<Option<Environment>> = Mutex::new(None);
+
+/// The environment, created on first use from `library` or else `ORT_DYLIB_PATH`.
+///
+/// # Errors
+/// [`LoadError::Runtime`] when no library is named or it cannot be loaded.
+pub(crate) fn environment(library: Option<&Path>) -> Result<Environment, LoadError> {
+    let mut slot = ENVIRONMENT.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(env) = slot.as_ref() {
+        return Ok(env.clone());
+    }
+    let path: PathBuf = match library {
+        Some(p) => p.to_path_buf(),
+        None => match std::env::var_os("ORT_DYLIB_PATH") {
+            Some(p) if !p.is_empty() => p.into(),
+            _ => {
+                return Err(LoadError::Runtime {
+                    path: PathBuf::from("$ORT_DYLIB_PATH"),
+                    detail: "not set: run `bash scripts/setup.sh` once, then `source scripts/env.sh`".into(),
+                });
+            }
+        },
+    };
+    if !path.is_file() {
+        return Err(LoadError::Runtime { path, detail: "no such file".into() });
+    }
+    let runtime_err = |detail: String| LoadError::Runtime { path: path.clone(), detail };
+    let env = ort::init_from(&path)
+        .map_err(|e| runtime_err(e.to_string()))?
+        .with_name("shotfleet")
+        .with_telemetry(false)
+        .build()
+        .map_err(|e| runtime_err(e.to_string()))?;
+    *slot = Some(env.clone());
+    Ok(env)
+}
+
+/// The element types the pipeline can feed and read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Elem {
+    F32,
+    F16,
+    I32,
+    I64,
+}
+
+impl Elem {
+    fn from_ort(ty: TensorElementType) -> Option<Elem> {
+        match ty {
+            TensorElementType::Float32 => Some(Elem::F32),
+            TensorElementType::Float16 => Some(Elem::F16),
+            TensorElementType::Int32 => Some(Elem::I32),
+            TensorElementType::Int64 => Some(Elem::I64),
+            _ => None,
+        }
+    }
+
+    pub(crate) fn is_float(self) -> bool {
+        matches!(self, Elem::F32 | Elem::F16)
+    }
+}
+
+/// An input or output of a graph as the session declares it. Dimensions are -1 where dynamic.
+#[derive(Debug, Clone)]
+pub(crate) struct Port {
+    pub name: String,
+    pub elem: Elem,
+    pub dims: Vec<i64>,
+}
+
+impl Port {
+    pub(crate) fn rank(&self) -> usize {
+        self.dims.len()
+    }
+}
+
+/// One loaded graph. `Session::run` takes `&mut`, so renders through the same pipeline take
+/// turns per graph (one GPU runs one graph at a time anyway).
+pub(crate) struct ModelSession {
+    pub path: PathBuf,
+    session: Mutex<Session>,
+    pub inputs: Vec<Port>,
+    pub outputs: Vec<Port>,
+}
+
+impl ModelSession {
+    /// Loads `path` for the device in `options`.
+    ///
+    /// # Errors
+    /// [`LoadError::MissingFile`], [`LoadError::Session`] when ONNX Runtime refuses the file, or
+    /// [`LoadError::Graph`] when an input or output has a type the pipeline cannot feed.
+    pub(crate) fn load(env: &Environment, path: &Path, options: &PipelineOptions) -> Result<ModelSession, LoadError> {
+        if !path.is_file() {
+            return Err(LoadError::MissingFile { path: path.to_path_buf() });
+        }
+        let session_err = |source: ort::Error| LoadError::Session { path: path.to_path_buf(), source };
+        let mut builder = Session::builder(env)
+            .map_err(session_err)?
+            .with_optimization_level(GraphOptimizationLevel::Level3)
+            .map_err(|e| session_err(e.into()))?;
+        if let Some(threads) = options.intra_threads {
+            builder = builder.with_intra_threads(threads).map_err(|e| session_err(e.into()))?;
+        }
+        builder = configure_device(builder, &options.device).map_err(session_err)?;
+        let session = builder.commit_from_file(path).map_err(session_err)?;
+        let ports = |outlets: &[ort::value::Outlet]| -> Result<Vec<Port>, LoadError> {
+            outlets.iter().map(|o| port(path, o.name(), o.dtype())).collect()
+        };
+        let inputs = ports(session.inputs())?;
+        let outputs = ports(session.outputs())?;
+        Ok(ModelSession { path: path.to_path_buf(), session: Mutex::new(session), inputs, outputs })
+    }
+
+    pub(crate) fn lock(&self) -> MutexGuard<'_, Session> {
+        // A panic inside ONNX Runtime's run leaves nothing half-written on our side.
+        self.session.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub(crate) fn input(&self, name: &str) -> Option<&Port> {
+        self.inputs.iter().find(|p| p.name == name)
+    }
+
+    pub(crate) fn output(&self, name: &str) -> Option<&Port> {
+        self.outputs.iter().find(|p| p.name == name)
+    }
+
+    /// The input `name`, checked for rank and float-ness, or a [`LoadError::Graph`] saying what
+    /// the graph has instead.
+    pub(crate) fn require_input(&self, name: &str, rank: Option<usize>, float: bool) -> Result<&Port, LoadError> {
+        let port = self.input(name).ok_or_else(|| self.graph_err(format!(
+            "no input {name:?} (inputs: {})",
+            names(&self.inputs)
+        )))?;
+        self.check(port, "input", rank, float)
+    }
+
+    pub(crate) fn require_output(&self, name: &str, rank: Option<usize>) -> Result<&Port, LoadError> {
+        let port = self.output(name).ok_or_else(|| self.graph_err(format!(
+            "no output {name:?} (outputs: {})",
+            names(&self.outputs)
+        )))?;
+        self.check(port, "output", rank, true)
+    }
+
+    fn check<'p>(&self, port: &'p Port, kind: &str, rank: Option<usize>, float: bool) -> Result<&'p Port, LoadError> {
+        if let Some(rank) = rank.filter(|&r| r != port.rank()) {
+            return Err(self.graph_err(format!("{kind} {:?} has rank {} (shape {:?}), expected rank {rank}", port.name, port.rank(), port.dims)));
+        }
+        if float != port.elem.is_float() {
+            let want = if float { "float" } else { "integer" };
+            return Err(self.graph_err(format!("{kind} {:?} is {:?}, expected {want}", port.name, port.elem)));
+        }
+        Ok(port)
+    }
+
+    pub(crate) fn graph_err(&self, detail: String) -> LoadError {
+        LoadError::Graph { path: self.path.clone(), detail }
+    }
+}
+
+fn names(ports: &[Port]) -> String {
+    ports.iter().map(|p| p.name.as_str()).collect::<Vec<_>>().join(", ")
+}
+
+fn port(path: &Path, name: &str, ty: &ValueType) -> Result<Port, LoadError> {
+    let graph_err = |detail: String| LoadError::Graph { path: path.to_path_buf(), detail };
+    let (ty, shape) = match ty {
+        ValueType::Tensor { ty, shape, .. } => (*ty, shape),
+        other => return Err(graph_err(format!("{name:?} is not a tensor ({other:?})"))),
+    };
+    let elem = Elem::from_ort(ty).ok_or_else(|| graph_err(format!("{name:?} has unsupported element type {ty:?}")))?;
+    Ok(Port { name: name.to_owned(), elem, dims: shape.iter().copied().collect() })
+}
+
+#[cfg(not(feature = "cuda"))]
+fn configure_device(builder: ort::session::builder::SessionBuilder, device: &Device) -> ort::Result<ort::session::builder::SessionBuilder> {
+    match device {
+        Device::Cpu => Ok(builder),
+        Device::Cuda { .. } => Err(ort::Error::new(
+            "this build has no CUDA support: build the consumer with `--features cuda`",
+        )),
+    }
+}
+
+/// CUDA, configured as DESIGN.md's "GPU memory" asks: the arena grows only by what is requested
+/// (no power-of-two overshoot eating the budget), is capped at the worker's budget, and weights
+/// live outside it so shrinking the arena after a large job returns activations only.
+#[cfg(feature = "cuda")]
+fn configure_device(builder: ort::session::builder::SessionBuilder, device: &Device) -> ort::Result<ort::session::builder::SessionBuilder> {
+    use ort::ep::{ArenaExtendStrategy, CUDA};
+    match device {
+        Device::Cpu => Ok(builder),
+        Device::Cuda { gpu, mem_limit_bytes } => {
+            let mut cuda = CUDA::default()
+                .with_device_id(*gpu as i32)
+                .with_arena_extend_strategy(ArenaExtendStrategy::SameAsRequested);
+            if let Some(limit) = mem_limit_bytes {
+                cuda = cuda.with_memory_limit(*limit as usize);
+            }
+            Ok(builder
+                .with_device_allocated_initializers()?
+                .with_execution_providers([cuda.build().error_on_failure()])?)
+        }
+    }
+}
+
+/// A float tensor for `port`, converted to f16 where the graph wants it.
+pub(crate) fn float_tensor(port: &Port, shape: &[usize], data: &[f32]) -> ort::Result<DynTensor> {
+    let shape = shape.to_vec();
+    Ok(match port.elem {
+        Elem::F16 => Tensor::from_array((shape, data.iter().map(|&x| f16::from_f32(x)).collect::<Vec<_>>()))?.upcast(),
+        _ => Tensor::from_array((shape, data.to_vec()))?.upcast(),
+    })
+}
+
+/// An integer tensor for `port` (token ids), as i32 or i64.
+pub(crate) fn int_tensor(port: &Port, shape: &[usize], data: &[i64]) -> ort::Result<DynTensor> {
+    let shape = shape.to_vec();
+    Ok(match port.elem {
+        Elem::I32 => Tensor::from_array((shape, data.iter().map(|&x| x as i32).collect::<Vec<_>>()))?.upcast(),
+        _ => Tensor::from_array((shape, data.to_vec()))?.upcast(),
+    })
+}
+
+/// A timestep as the UNet declares it: scalar or 1-D of length `batch`, float or integer.
+pub(crate) fn timestep_tensor(port: &Port, t: f32, batch: usize) -> ort::Result<DynTensor> {
+    let shape: Vec<usize> = if port.rank() == 0 { vec![] } else { vec![batch] };
+    let n = shape.iter().product::<usize>().max(1);
+    Ok(match port.elem {
+        Elem::F32 => Tensor::from_array((shape, vec![t; n]))?.upcast(),
+        Elem::F16 => Tensor::from_array((shape, vec![f16::from_f32(t); n]))?.upcast(),
+        Elem::I32 => Tensor::from_array((shape, vec![t as i32; n]))?.upcast(),
+        Elem::I64 => Tensor::from_array((shape, vec![t as i64; n]))?.upcast(),
+    })
+}
+
+/// A float output read back as f32 with its shape.
+pub(crate) fn extract_f32(value: &DynValue) -> Result<(Vec<usize>, Vec<f32>), String> {
+    if let Ok((shape, data)) = value.try_extract_tensor::<f32>() {
+        return Ok((dims(shape), data.to_vec()));
+    }
+    if let Ok((shape, data)) = value.try_extract_tensor::<f16>() {
+        return Ok((dims(shape), data.iter().map(|x| x.to_f32()).collect()));
+    }
+    Err(format!("expected a float tensor, got {:?}", value.dtype()))
+}
+
+fn dims(shape: &ort::value::Shape) -> Vec<usize> {
+    shape.iter().map(|&d| d as usize).collect()
+}
