@@ -187,7 +187,7 @@ impl Pipeline {
             path: model_dir.join("scheduler/scheduler_config.json"),
             detail,
         })?;
-        let env = session::environment(options.ort_library.as_deref())?;
+        let (env, ort_version) = session::environment(options.ort_library.as_deref())?;
         let text = TextEncoders::load(&env, &config, options)?;
         let unet = Unet::load(&env, &config, options)?;
         let vae = VaeDecoder::load(&env, &config, options)?;
@@ -213,7 +213,7 @@ impl Pipeline {
             dtype: if unet_sample_elem(&unet) == Elem::F16 { ModelDtype::F16 } else { ModelDtype::F32 },
             latent_channels,
             vae_scale_factor: config.vae_scale_factor,
-            ort_version: ort_version(),
+            ort_version,
             device: options.device.clone(),
         };
         Ok(Pipeline { config, text, scheduler, unet, vae, info, shrink_next: AtomicBool::new(false) })
@@ -436,12 +436,4 @@ impl Pipeline {
 
 fn unet_sample_elem(unet: &Unet) -> Elem {
     unet.sample_elem()
-}
-
-/// "1.31.1" out of ONNX Runtime's build info (`git-branch=rel-1.31.1, ...`), or the whole text.
-fn ort_version() -> String {
-    let info = ort::info();
-    info.split(|c: char| c == ',' || c.is_whitespace())
-        .find_map(|part| part.strip_prefix("git-branch=rel-"))
-        .map_or_else(|| info.trim().to_owned(), str::to_owned)
 }

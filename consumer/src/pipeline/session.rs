@@ -15,13 +15,14 @@ use super::{Device, PipelineOptions};
 
 /// ONNX Runtime allows one environment per process (`ort` refuses a second `build`), so it lives
 /// for the whole process and every pipeline shares it.
-static ENVIRONMENT: Mutex<Option<Environment>> = Mutex::new(None);
+static ENVIRONMENT: Mutex<Option<(Environment, String)>> = Mutex::new(None);
 
-/// The environment, created on first use from `library` or else `ORT_DYLIB_PATH`.
+/// The environment, created on first use from `library` or else `ORT_DYLIB_PATH`, and ONNX
+/// Runtime's version.
 ///
 /// # Errors
 /// [`LoadError::Runtime`] when no library is named or it cannot be loaded.
-pub(crate) fn environment(library: Option<&Path>) -> Result<Environment, LoadError> {
+pub(crate) fn environment(library: Option<&Path>) -> Result<(Environment, String), LoadError> {
     let mut slot = ENVIRONMENT.lock().unwrap_or_else(|p| p.into_inner());
     if let Some(env) = slot.as_ref() {
         return Ok(env.clone());
@@ -48,8 +49,19 @@ pub(crate) fn environment(library: Option<&Path>) -> Result<Environment, LoadErr
         .with_telemetry(false)
         .build()
         .map_err(|e| runtime_err(e.to_string()))?;
-    *slot = Some(env.clone());
-    Ok(env)
+    let version = library_version(&path).unwrap_or_else(|| ort::info().trim().to_owned());
+    *slot = Some((env.clone(), version.clone()));
+    Ok((env, version))
+}
+
+/// "1.31.1" from the library's file name (`libonnxruntime.so.1.31.1`, symlinks followed): the
+/// C API's version call lives on the API base, which `ort` keeps private under `load-dynamic`,
+/// and the build info names only a commit.
+fn library_version(path: &Path) -> Option<String> {
+    let real = path.canonicalize().ok()?;
+    let name = real.file_name()?.to_str()?;
+    let version = name.split_once(".so.").or_else(|| name.split_once(".dylib.")).map(|(_, v)| v)?;
+    version.chars().all(|c| c.is_ascii_digit() || c == '.').then(|| version.to_owned())
 }
 
 /// The element types the pipeline can feed and read.

@@ -1,0 +1,105 @@
+//! Rendering through the public API: noise per (seed, index) independent of batching,
+//! progress and cancellation, request validation, PNG metadata.
+mod pipeline_support;
+
+use std::ops::ControlFlow;
+
+use pipeline_support::tiny_pipeline;
+use shotfleet_consumer::pipeline::{ModelDtype, RenderError, RenderRequest};
+
+fn request(indices: Vec<u32>, max_batch: usize) -> RenderRequest {
+    RenderRequest {
+        prompt: "a lighthouse at dusk".into(),
+        negative_prompt: Some("blurry".into()),
+        width: 64,
+        height: 64,
+        steps: 3,
+        guidance: 6.0,
+        seed: 1234,
+        image_indices: indices,
+        max_batch,
+    }
+}
+
+fn go(_: shotfleet_consumer::pipeline::StepProgress) -> ControlFlow<()> {
+    ControlFlow::Continue(())
+}
+
+/// The degrade ladder splits batches in place: image i must be the same whichever way the
+/// job's images are grouped. PNG bytes are compared, so pixels and metadata both match.
+#[test]
+fn split_batch_renders_the_same_images() {
+    let pipeline = tiny_pipeline();
+    let together = pipeline.render(&request(vec![0, 1], 2), &mut go).unwrap();
+    let one_by_one = pipeline.render(&request(vec![0, 1], 1), &mut go).unwrap();
+    let only_second = pipeline.render(&request(vec![1], 1), &mut go).unwrap();
+    assert_eq!(together.images.len(), 2);
+    assert_eq!(together.images[0].index, 0);
+    assert_eq!(together.images[1].index, 1);
+    assert_eq!(together.images[0].png, one_by_one.images[0].png, "image 0: batch of 2 vs alone");
+    assert_eq!(together.images[1].png, one_by_one.images[1].png, "image 1: batch of 2 vs alone");
+    assert_eq!(together.images[1].png, only_second.images[0].png, "image 1 rendered on its own");
+    assert_ne!(together.images[0].png, together.images[1].png, "different indices, different noise");
+    let again = pipeline.render(&request(vec![0], 1), &mut go).unwrap();
+    assert_eq!(again.images[0].png, together.images[0].png, "same seed and index, same image");
+}
+
+#[test]
+fn progress_reports_every_step_and_break_cancels() {
+    let pipeline = tiny_pipeline();
+    let mut seen = Vec::new();
+    pipeline
+        .render(&request(vec![0, 1, 2], 2), &mut |p| {
+            seen.push((p.step, p.steps, p.images, p.images_done));
+            ControlFlow::Continue(())
+        })
+        .unwrap();
+    assert_eq!(seen, vec![(1, 3, 2, 0), (2, 3, 2, 0), (3, 3, 2, 0), (1, 3, 1, 2), (2, 3, 1, 2), (3, 3, 1, 2)]);
+
+    let err = pipeline
+        .render(&request(vec![0], 1), &mut |p| if p.step == 2 { ControlFlow::Break(()) } else { ControlFlow::Continue(()) })
+        .unwrap_err();
+    assert!(matches!(err, RenderError::Cancelled { steps_done: 2 }), "{err}");
+}
+
+#[test]
+fn invalid_requests_are_refused_before_any_work() {
+    let pipeline = tiny_pipeline();
+    let cases = [
+        RenderRequest { width: 60, ..request(vec![0], 1) },
+        RenderRequest { steps: 0, ..request(vec![0], 1) },
+        RenderRequest { image_indices: vec![], ..request(vec![0], 1) },
+        RenderRequest { max_batch: 0, ..request(vec![0], 1) },
+    ];
+    for req in cases {
+        let err = pipeline.render(&req, &mut go).unwrap_err();
+        assert!(matches!(err, RenderError::InvalidRequest(_)), "{err}");
+        assert!(err.message().is_none(), "not an ONNX Runtime error");
+    }
+}
+
+#[test]
+fn png_carries_parameters_and_info_describes_the_model() {
+    let pipeline = tiny_pipeline();
+    let info = pipeline.info();
+    assert_eq!(info.dtype, ModelDtype::F32);
+    assert_eq!(info.latent_channels, 4);
+    assert_eq!(info.vae_scale_factor, 8);
+    assert!(info.ort_version.starts_with("1."), "{}", info.ort_version);
+
+    let out = pipeline.render(&RenderRequest { width: 128, height: 64, ..request(vec![3], 1) }, &mut go).unwrap();
+    let image = &out.images[0];
+    assert_eq!((image.index, image.seed, image.width, image.height), (3, 1234, 128, 64));
+    let decoder = png::Decoder::new(std::io::Cursor::new(&image.png));
+    let reader = decoder.read_info().unwrap();
+    let info = reader.info();
+    assert_eq!((info.width, info.height), (128, 64));
+    let text = |key: &str| info.uncompressed_latin1_text.iter().find(|t| t.keyword == key).map(|t| t.text.clone());
+    assert_eq!(
+        text("parameters").unwrap(),
+        "a lighthouse at dusk\nNegative prompt: blurry\nSteps: 3, Sampler: Euler, CFG scale: 6, Seed: 1234, Image index: 3, Size: 128x64, Model: model"
+    );
+    assert_eq!(text("seed").as_deref(), Some("1234"));
+    assert_eq!(text("image_index").as_deref(), Some("3"));
+    assert!(out.timings.unet > std::time::Duration::ZERO);
+}
