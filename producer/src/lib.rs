@@ -1,1 +1,17 @@
-//! Producer library.
+//! The producer side of shotfleet: what the `shotfleet` command does, as a library.
+//!
+//! - [`storyboard`]: reading a storyboard file (JSON Lines or CSV) into validated jobs.
+//! - [`submit`]: publishing jobs with their `Nats-Msg-Id`, PubAcks pipelined and bounded.
+//! - [`wait`]: following results and failed records until every submitted job has one.
+//! - [`status`]: what is pending, in progress and failed, per priority and class.
+//!
+//! The wire contract and the topology come from `shotfleet-schema`; this crate knows nothing of
+//! the workers.
+
+pub mod status;
+pub mod storyboard;
+pub mod submit;
+pub mod wait;
+
+pub use storyboard::{LineError, Shot, Storyboard};
+pub use submit::{SubmitOptions, SubmitSummary};

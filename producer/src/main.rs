@@ -1,1 +1,324 @@
-fn main() {}
+//! `shotfleet`: set up the topology, submit storyboards, wait for them, show the queues.
+//!
+//! Exit codes: 0 success; 1 some jobs failed (with `--wait`); 2 bad input (the file, flags);
+//! 3 NATS unreachable or the server refused.
+
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::{Duration, SystemTime};
+
+use anyhow::Context as _;
+use clap::{Args, Parser, Subcommand};
+use indicatif::{ProgressBar, ProgressStyle};
+use shotfleet_producer::wait::{Awaited, Outcome};
+use shotfleet_producer::{status, storyboard, submit, wait};
+use shotfleet_schema::encoding::ContentType;
+use shotfleet_schema::nats::{NatsOptions, Topology};
+use shotfleet_schema::Limits;
+
+#[derive(Parser)]
+#[command(name = "shotfleet", version, about = "Render storyboard shots on a fleet of GPU workers")]
+struct Cli {
+    #[command(flatten)]
+    nats: NatsArgs,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Args)]
+struct NatsArgs {
+    /// NATS server URL(s), comma separated.
+    #[arg(long, global = true, env = "NATS_URL", default_value = "nats://127.0.0.1:4222")]
+    server: String,
+    /// NATS credentials file (JWT + NKey).
+    #[arg(long, global = true, env = "NATS_CREDS")]
+    creds: Option<PathBuf>,
+    #[arg(long, global = true, env = "NATS_USER")]
+    user: Option<String>,
+    #[arg(long, global = true, env = "NATS_PASSWORD", hide_env_values = true)]
+    password: Option<String>,
+    /// PEM file of CA certificates to trust (turns TLS on).
+    #[arg(long, global = true, env = "NATS_CA")]
+    tls_ca: Option<PathBuf>,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Create the streams and consumers (idempotent; reports differences, never clobbers).
+    Setup(SetupArgs),
+    /// Publish a storyboard (JSON Lines or CSV), one job a line.
+    Submit(SubmitArgs),
+    /// Pending, in-progress and oldest job per priority and class; failed records.
+    Status,
+}
+
+#[derive(Args)]
+struct SetupArgs {
+    /// Stream replicas (3 on a 3-node cluster).
+    #[arg(long, default_value_t = 1)]
+    replicas: usize,
+    /// How long job ids are remembered (re-submits inside it queue nothing), e.g. 20m.
+    #[arg(long, default_value = "20m", value_parser = parse_duration)]
+    duplicate_window: Duration,
+    /// How long results are kept, e.g. 14d.
+    #[arg(long, default_value = "14d", value_parser = parse_duration)]
+    results_max_age: Duration,
+    /// How long failed records are kept for replay, e.g. 30d.
+    #[arg(long, default_value = "30d", value_parser = parse_duration)]
+    failed_max_age: Duration,
+    /// Redeliver a job not acked or progressed for this long.
+    #[arg(long, default_value = "60s", value_parser = parse_duration)]
+    ack_wait: Duration,
+    /// Deliveries before a job goes to the failed stream.
+    #[arg(long, default_value_t = 5)]
+    max_deliver: i64,
+    /// Change existing streams and consumers whose settings differ.
+    #[arg(long)]
+    update: bool,
+}
+
+#[derive(Args)]
+struct SubmitArgs {
+    /// The storyboard: .jsonl / .csv (or sniffed from the first character).
+    file: PathBuf,
+    /// Publish the valid lines of a file that has bad ones (by default nothing is published).
+    #[arg(long)]
+    skip_invalid: bool,
+    /// Wait until every job has a result or a failed record; exit 1 if any failed.
+    #[arg(long)]
+    wait: bool,
+    /// With --wait: give up after this long (e.g. 30m).
+    #[arg(long, value_parser = parse_duration)]
+    timeout: Option<Duration>,
+    /// Encode payloads as JSON instead of MessagePack.
+    #[arg(long)]
+    json: bool,
+    /// Unacknowledged publishes at most.
+    #[arg(long, default_value_t = 256)]
+    max_in_flight: usize,
+}
+
+fn parse_duration(text: &str) -> Result<Duration, String> {
+    shotfleet_schema::nats::topology::parse_duration(text)
+}
+
+/// A failure and the exit code it maps to.
+struct Failure(u8, anyhow::Error);
+
+fn bad_input(e: impl Into<anyhow::Error>) -> Failure {
+    Failure(2, e.into())
+}
+fn server(e: impl Into<anyhow::Error>) -> Failure {
+    Failure(3, e.into())
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()))
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    match run(cli).await {
+        Ok(code) => ExitCode::from(code),
+        Err(Failure(code, e)) => {
+            eprintln!("shotfleet: {e:#}");
+            ExitCode::from(code)
+        }
+    }
+}
+
+async fn run(cli: Cli) -> Result<u8, Failure> {
+    let options = NatsOptions {
+        server: cli.nats.server,
+        creds: cli.nats.creds,
+        user: cli.nats.user,
+        password: cli.nats.password,
+        tls_ca: cli.nats.tls_ca,
+        name: "shotfleet-cli".into(),
+    };
+    match cli.command {
+        Command::Setup(args) => setup(&options, args).await,
+        Command::Submit(args) => submit_file(&options, args).await,
+        Command::Status => show_status(&options).await,
+    }
+}
+
+async fn connect(options: &NatsOptions) -> Result<async_nats::jetstream::Context, Failure> {
+    let client = options.connect().await.map_err(server)?;
+    Ok(async_nats::jetstream::new(client))
+}
+
+async fn setup(options: &NatsOptions, args: SetupArgs) -> Result<u8, Failure> {
+    let topology = Topology {
+        replicas: args.replicas,
+        duplicate_window: args.duplicate_window,
+        results_max_age: args.results_max_age,
+        failed_max_age: args.failed_max_age,
+        ack_wait: args.ack_wait,
+        max_deliver: args.max_deliver,
+        ..Topology::default()
+    };
+    let js = connect(options).await?;
+    let report = topology.ensure(&js, args.update).await.map_err(server)?;
+    for what in &report.created {
+        println!("created   {what}");
+    }
+    for what in &report.updated {
+        println!("updated   {what}");
+    }
+    println!(
+        "topology ready: {} created, {} updated, {} already as wanted",
+        report.created.len(),
+        report.updated.len(),
+        report.unchanged.len()
+    );
+    Ok(0)
+}
+
+async fn submit_file(options: &NatsOptions, args: SubmitArgs) -> Result<u8, Failure> {
+    let board = storyboard::read(&args.file, &Limits::default())
+        .with_context(|| format!("cannot read {}", args.file.display()))
+        .map_err(bad_input)?;
+    for error in &board.errors {
+        eprintln!("{}: {error}", args.file.display());
+    }
+    if !board.errors.is_empty() && !args.skip_invalid {
+        return Err(bad_input(anyhow::anyhow!(
+            "{} bad line(s) in {}; nothing was published (fix them, or pass --skip-invalid to publish the {} good ones)",
+            board.errors.len(),
+            args.file.display(),
+            board.shots.len()
+        )));
+    }
+    if board.shots.is_empty() {
+        return Err(bad_input(anyhow::anyhow!("{} holds no shots", args.file.display())));
+    }
+    let js = connect(options).await?;
+    let since = SystemTime::now();
+    let progress = Progress::new(board.shots.len() as u64, "published");
+    let submit_options = submit::SubmitOptions {
+        max_in_flight: args.max_in_flight,
+        content_type: if args.json { ContentType::Json } else { ContentType::MessagePack },
+    };
+    let summary = submit::submit(&js, &board.shots, submit_options, |_, _| progress.inc())
+        .await
+        .map_err(server)?;
+    progress.finish();
+    let rate = summary.queued as f64 / summary.elapsed.as_secs_f64().max(1e-9);
+    println!(
+        "queued {} job(s) in {:.2}s ({rate:.0}/s); {} already queued inside the duplicate window, not queued again",
+        summary.queued,
+        summary.elapsed.as_secs_f64(),
+        summary.duplicates.len()
+    );
+    if !args.wait {
+        return Ok(0);
+    }
+    let duplicates: std::collections::HashSet<&String> = summary.duplicates.iter().collect();
+    let awaited: Vec<Awaited> = board
+        .shots
+        .iter()
+        .map(|s| Awaited {
+            project: s.job.project.clone(),
+            job_id: s.job.job_id.clone(),
+            duplicate: duplicates.contains(&s.job.job_id),
+        })
+        .collect();
+    let progress = Progress::new(awaited.len() as u64, "finished");
+    let outcomes = wait::wait(&js, &awaited, since, args.timeout, |_, _| progress.inc())
+        .await
+        .map_err(server)?;
+    progress.finish();
+    print_table(&board.shots, &outcomes);
+    let failed = outcomes.values().filter(|o| o.is_failed()).count();
+    Ok(if failed > 0 { 1 } else { 0 })
+}
+
+fn print_table(shots: &[storyboard::Shot], outcomes: &std::collections::HashMap<String, Outcome>) {
+    println!("{:<24} {:<12} {:<4} {:<9} {:>6} {:>9}  detail", "job", "shot", "prio", "status", "images", "render_s");
+    let (mut done, mut degraded, mut failed) = (0, 0, 0);
+    for shot in shots {
+        let job = &shot.job;
+        let (status, images, render, detail) = match outcomes.get(&job.job_id) {
+            Some(Outcome::Done(result)) => {
+                let degraded_now = result.degrade.is_some();
+                if degraded_now { degraded += 1 } else { done += 1 }
+                let first = result.images.first().map(|i| i.key.clone()).unwrap_or_default();
+                (
+                    if degraded_now { "degraded" } else { "done" },
+                    result.images.len().to_string(),
+                    format!("{:.1}", result.timing.render_ms as f64 / 1000.0),
+                    first,
+                )
+            }
+            Some(Outcome::Failed { reason, detail, .. }) => {
+                failed += 1;
+                ("failed", "-".into(), "-".into(), format!("{reason}: {detail}"))
+            }
+            None => ("unknown", "-".into(), "-".into(), String::new()),
+        };
+        println!("{:<24} {:<12} {:<4} {:<9} {:>6} {:>9}  {detail}", job.job_id, job.shot_id, shot.priority, status, images, render);
+    }
+    println!("{done} done, {degraded} degraded, {failed} failed");
+}
+
+async fn show_status(options: &NatsOptions) -> Result<u8, Failure> {
+    let js = connect(options).await?;
+    let status = status::read(&js).await.map_err(|e| server(anyhow::anyhow!(e)))?;
+    println!("{:<18} {:>8} {:>12} {:>12} {:>10}", "consumer", "pending", "in_progress", "redelivered", "oldest");
+    for q in &status.queues {
+        let oldest = q.oldest.map(|d| format!("{:.0}s", d.as_secs_f64())).unwrap_or_else(|| "-".into());
+        println!("{:<18} {:>8} {:>12} {:>12} {:>10}", q.consumer, q.pending, q.in_progress, q.redelivered, oldest);
+    }
+    let failed: u64 = status.failed.iter().map(|(_, n)| n).sum();
+    println!("results: {}   failed: {failed}", status.results);
+    for (subject, n) in &status.failed {
+        println!("  {subject}: {n}");
+    }
+    Ok(0)
+}
+
+/// A progress bar on a terminal, plain lines (every 10%) otherwise.
+struct Progress {
+    bar: Option<ProgressBar>,
+    total: u64,
+    label: &'static str,
+    count: std::sync::atomic::AtomicU64,
+}
+
+impl Progress {
+    fn new(total: u64, label: &'static str) -> Self {
+        let bar = std::io::stderr().is_terminal().then(|| {
+            let bar = ProgressBar::new(total);
+            bar.set_style(
+                ProgressStyle::with_template("{spinner} {msg} {pos}/{len} [{bar:40}] {per_sec} eta {eta}")
+                    .expect("valid template")
+                    .progress_chars("=> "),
+            );
+            bar.set_message(label);
+            bar
+        });
+        Self { bar, total, label, count: 0.into() }
+    }
+
+    fn inc(&self) {
+        let n = self.count.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+        match &self.bar {
+            Some(bar) => bar.inc(1),
+            None => {
+                let step = (self.total / 10).max(1);
+                if n % step == 0 || n == self.total {
+                    eprintln!("{} {n}/{}", self.label, self.total);
+                }
+            }
+        }
+    }
+
+    fn finish(&self) {
+        if let Some(bar) = &self.bar {
+            bar.finish();
+        }
+    }
+}

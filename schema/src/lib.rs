@@ -11,12 +11,15 @@
 //! - [`subject`]: subject names, stream and consumer names.
 //! - [`failure`]: the headers and reasons of a failed record.
 //! - [`json_schema`]: the JSON Schema other languages can validate against.
+//! - `nats` (feature `nats`): connecting, and creating the streams and consumers both sides use.
 
 pub mod class;
 pub mod encoding;
 pub mod failure;
 pub mod job;
 pub mod json_schema;
+#[cfg(feature = "nats")]
+pub mod nats;
 pub mod result;
 pub mod subject;
 pub mod validate;

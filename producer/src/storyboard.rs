@@ -1,0 +1,287 @@
+//! Storyboard files: one shot a line, as JSON Lines or CSV.
+//!
+//! A line holds a [`ShotJob`]'s fields plus an optional `priority` (`p0`, `p1`, `p2`; default
+//! `p1`); `v` may be left out (it is 1). CSV columns have the same names; `loras` is written
+//! `name:weight;name:weight`, the floor as `floor_min_side` and `floor_min_steps`. Every line
+//! is decoded and validated exactly as a worker would, and every bad line is reported with its
+//! number and field.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use serde_json::{Map, Value};
+use shotfleet_schema::{Limits, Priority, ShotJob};
+
+/// One shot read from a file, ready to publish.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Shot {
+    /// 1-based line number in the file.
+    pub line: usize,
+    pub priority: Priority,
+    pub job: ShotJob,
+}
+
+/// A line that cannot be published, and why.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LineError {
+    pub line: usize,
+    /// The field at fault (`width`, `loras[0].name`), or empty when the line as a whole is.
+    pub field: String,
+    pub message: String,
+}
+
+impl std::fmt::Display for LineError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.field.is_empty() {
+            write!(f, "line {}: {}", self.line, self.message)
+        } else {
+            write!(f, "line {}: field `{}`: {}", self.line, self.field, self.message)
+        }
+    }
+}
+
+/// What a file holds: the good shots and the bad lines.
+#[derive(Debug, Default)]
+pub struct Storyboard {
+    pub shots: Vec<Shot>,
+    pub errors: Vec<LineError>,
+}
+
+/// The two formats.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Format {
+    JsonLines,
+    Csv,
+}
+
+impl Format {
+    /// By extension (`.jsonl`, `.ndjson`, `.json`, `.csv`); otherwise by the first character.
+    pub fn detect(path: &Path, text: &str) -> Self {
+        match path.extension().and_then(|e| e.to_str()).map(str::to_ascii_lowercase).as_deref() {
+            Some("csv") => Self::Csv,
+            Some("jsonl" | "ndjson" | "json") => Self::JsonLines,
+            _ if text.trim_start().starts_with('{') => Self::JsonLines,
+            _ => Self::Csv,
+        }
+    }
+}
+
+/// Reads and validates a storyboard file.
+///
+/// # Errors
+/// Only when the file cannot be read; bad lines are in [`Storyboard::errors`].
+pub fn read(path: &Path, limits: &Limits) -> std::io::Result<Storyboard> {
+    let bytes = std::fs::read(path)?;
+    let text = String::from_utf8(bytes).map_err(|e| {
+        std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("{} is not UTF-8 (byte {} is invalid)", path.display(), e.utf8_error().valid_up_to()),
+        )
+    })?;
+    Ok(parse(&text, Format::detect(path, &text), limits))
+}
+
+/// Parses storyboard text in the given format.
+pub fn parse(text: &str, format: Format, limits: &Limits) -> Storyboard {
+    let text = text.strip_prefix('\u{feff}').unwrap_or(text);
+    let rows = match format {
+        Format::JsonLines => json_rows(text),
+        Format::Csv => csv_rows(text),
+    };
+    let mut board = Storyboard::default();
+    let mut seen: HashMap<String, usize> = HashMap::new();
+    for row in rows {
+        match row.and_then(|(line, object)| shot_from_row(line, object, limits)) {
+            Ok(shot) => {
+                if let Some(first) = seen.insert(shot.job.job_id.clone(), shot.line) {
+                    board.errors.push(LineError {
+                        line: shot.line,
+                        field: "job_id".into(),
+                        message: format!("`{}` is already used on line {first}", shot.job.job_id),
+                    });
+                } else {
+                    board.shots.push(shot);
+                }
+            }
+            Err(e) => board.errors.push(e),
+        }
+    }
+    board
+}
+
+type Row = Result<(usize, Map<String, Value>), LineError>;
+
+fn whole_line(line: usize, message: impl Into<String>) -> LineError {
+    LineError { line, field: String::new(), message: message.into() }
+}
+
+fn json_rows(text: &str) -> Vec<Row> {
+    text.lines()
+        .enumerate()
+        .map(|(i, l)| (i + 1, l.trim()))
+        .filter(|(_, l)| !l.is_empty() && !l.starts_with("//"))
+        .map(|(line, l)| match serde_json::from_str::<Value>(l) {
+            Ok(Value::Object(object)) => Ok((line, object)),
+            Ok(_) => Err(whole_line(line, "expected a JSON object")),
+            Err(e) => Err(whole_line(line, format!("not valid JSON: {e}"))),
+        })
+        .collect()
+}
+
+/// Columns that hold numbers; everything else is text.
+const NUMERIC_COLUMNS: [&str; 9] =
+    ["v", "width", "height", "steps", "guidance", "seed", "images", "floor_min_side", "floor_min_steps"];
+const TEXT_COLUMNS: [&str; 7] = ["job_id", "project", "shot_id", "prompt", "negative_prompt", "priority", "loras"];
+
+fn csv_rows(text: &str) -> Vec<Row> {
+    let mut reader = csv::ReaderBuilder::new().flexible(false).trim(csv::Trim::Headers).from_reader(text.as_bytes());
+    let headers = match reader.headers() {
+        Ok(h) => h.clone(),
+        Err(e) => return vec![Err(whole_line(1, format!("cannot read the CSV header: {e}")))],
+    };
+    if let Some(unknown) = headers.iter().find(|h| !NUMERIC_COLUMNS.contains(h) && !TEXT_COLUMNS.contains(h)) {
+        return vec![Err(LineError {
+            line: 1,
+            field: unknown.to_owned(),
+            message: format!(
+                "unknown column; known columns are {}",
+                TEXT_COLUMNS.iter().chain(NUMERIC_COLUMNS.iter()).copied().collect::<Vec<_>>().join(", ")
+            ),
+        })];
+    }
+    reader
+        .records()
+        .map(|record| {
+            let record = record.map_err(|e| {
+                let line = e.position().map_or(0, |p| p.line() as usize);
+                whole_line(line, format!("malformed CSV: {e}"))
+            })?;
+            let line = record.position().map_or(0, |p| p.line() as usize);
+            let mut object = Map::new();
+            for (name, cell) in headers.iter().zip(record.iter()) {
+                if cell.is_empty() {
+                    continue;
+                }
+                let value = if NUMERIC_COLUMNS.contains(&name) {
+                    serde_json::from_str::<serde_json::Number>(cell.trim())
+                        .map(Value::Number)
+                        .unwrap_or_else(|_| Value::String(cell.to_owned()))
+                } else if name == "loras" {
+                    loras_cell(line, cell)?
+                } else {
+                    Value::String(cell.to_owned())
+                };
+                object.insert(name.to_owned(), value);
+            }
+            fold_floor(&mut object);
+            Ok((line, object))
+        })
+        .collect()
+}
+
+/// `name:weight;name:weight` into the JSON form.
+fn loras_cell(line: usize, cell: &str) -> Result<Value, LineError> {
+    let loras = cell
+        .split(';')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(|item| {
+            let (name, weight) = item.rsplit_once(':').unwrap_or((item, "1"));
+            let weight: f64 = weight.trim().parse().map_err(|_| LineError {
+                line,
+                field: "loras".into(),
+                message: format!("`{item}`: weight `{weight}` is not a number (write name:weight;name:weight)"),
+            })?;
+            Ok(serde_json::json!({ "name": name.trim(), "weight": weight }))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(Value::Array(loras))
+}
+
+fn fold_floor(object: &mut Map<String, Value>) {
+    let side = object.remove("floor_min_side");
+    let steps = object.remove("floor_min_steps");
+    if side.is_some() || steps.is_some() {
+        object.insert(
+            "floor".into(),
+            serde_json::json!({ "min_side": side.unwrap_or(Value::from(0)), "min_steps": steps.unwrap_or(Value::from(0)) }),
+        );
+    }
+}
+
+fn shot_from_row(line: usize, mut object: Map<String, Value>, limits: &Limits) -> Result<Shot, LineError> {
+    let priority = match object.remove("priority") {
+        None => Priority::P1,
+        Some(Value::String(p)) => p.parse().map_err(|message| LineError { line, field: "priority".into(), message })?,
+        Some(other) => {
+            return Err(LineError { line, field: "priority".into(), message: format!("{other} is not p0, p1 or p2") });
+        }
+    };
+    object.entry("v").or_insert(Value::from(shotfleet_schema::VERSION));
+    let job: ShotJob = serde_path_to_error::deserialize(Value::Object(object)).map_err(|e| LineError {
+        line,
+        field: e.path().to_string().trim_start_matches('.').to_owned(),
+        message: e.inner().to_string(),
+    })?;
+    job.validate(limits).map_err(|e| {
+        let first = &e.problems[0];
+        let more = if e.problems.len() > 1 { format!(" (and {} more: {e})", e.problems.len() - 1) } else { String::new() };
+        LineError { line, field: first.field.clone(), message: format!("{}{more}", first.message) }
+    })?;
+    Ok(Shot { line, priority, job })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn json_lines_with_defaults_and_priority() {
+        let text = r#"{"job_id":"a","project":"p","shot_id":"s1","prompt":"x","width":512,"height":512,"steps":20,"guidance":5,"seed":1,"priority":"p0"}
+
+{"job_id":"b","project":"p","shot_id":"s2","prompt":"y","width":1024,"height":1024,"steps":20,"guidance":5,"seed":2}"#;
+        let board = parse(text, Format::JsonLines, &Limits::default());
+        assert!(board.errors.is_empty(), "{:?}", board.errors);
+        assert_eq!(board.shots.len(), 2);
+        assert_eq!(board.shots[0].priority, Priority::P0);
+        assert_eq!(board.shots[1].priority, Priority::P1);
+        assert_eq!(board.shots[1].line, 3);
+        assert_eq!(board.shots[1].job.v, 1);
+    }
+
+    #[test]
+    fn csv_with_loras_and_floor() {
+        let text = "job_id,project,shot_id,prompt,width,height,steps,guidance,seed,images,priority,loras,floor_min_side,floor_min_steps\n\
+                    j1,acme,s1,\"a cat, at night\",768,512,25,6.5,9,2,p2,ink:0.8;hero.v1:1,512,10\n";
+        let board = parse(text, Format::Csv, &Limits::default());
+        assert!(board.errors.is_empty(), "{:?}", board.errors);
+        let shot = &board.shots[0];
+        assert_eq!(shot.line, 2);
+        assert_eq!(shot.priority, Priority::P2);
+        assert_eq!(shot.job.prompt, "a cat, at night");
+        assert_eq!(shot.job.loras.len(), 2);
+        assert_eq!(shot.job.loras[1].name, "hero.v1");
+        assert_eq!(shot.job.floor.unwrap().min_side, 512);
+    }
+
+    #[test]
+    fn bad_lines_name_line_and_field() {
+        let text = r#"{"job_id":"a","project":"p","shot_id":"s","prompt":"x","width":513,"height":512,"steps":20,"guidance":5,"seed":1}
+{"job_id":"b","project":"p","shot_id":"s","prompt":"x","width":"big","height":512,"steps":20,"guidance":5,"seed":1}
+not json
+{"job_id":"c","project":"p","shot_id":"s","prompt":"x","width":512,"height":512,"steps":20,"guidance":5,"seed":1,"priority":"p9"}
+{"job_id":"d","project":"p","shot_id":"s","prompt":"x","width":512,"height":512,"steps":20,"guidance":5,"seed":1}
+{"job_id":"d","project":"p","shot_id":"s","prompt":"x","width":512,"height":512,"steps":20,"guidance":5,"seed":1}"#;
+        let board = parse(text, Format::JsonLines, &Limits::default());
+        let got: Vec<(usize, &str)> = board.errors.iter().map(|e| (e.line, e.field.as_str())).collect();
+        assert_eq!(got, [(1, "width"), (2, "width"), (3, ""), (4, "priority"), (6, "job_id")]);
+        assert_eq!(board.shots.len(), 1);
+        assert!(board.errors[0].to_string().contains("line 1: field `width`: 513 must be a positive multiple of 8"));
+    }
+
+    #[test]
+    fn csv_unknown_column_is_refused() {
+        let board = parse("job_id,widht\nx,5\n", Format::Csv, &Limits::default());
+        assert_eq!(board.errors[0].field, "widht");
+    }
+}

@@ -1,0 +1,156 @@
+//! Waiting for submitted jobs: every job ends with a result or a failed record.
+//!
+//! Results and failed records are read from their streams with ordered push consumers, one per
+//! project and stream (one filter each, as nats-server 2.9 requires). A result is final whenever
+//! it was written: a worker never renders a job whose result exists. A failed record counts when
+//! it was written after this submission started, or when the job was a duplicate (it was not
+//! queued again, so an earlier failure is its fate); a later result overrides it (a replay).
+
+use std::collections::{BTreeSet, HashMap, HashSet};
+use std::time::{Duration, SystemTime};
+
+use async_nats::jetstream::{self, consumer};
+use futures::StreamExt;
+use shotfleet_schema::encoding::{self, ContentType};
+use shotfleet_schema::{ShotResult, failure, subject};
+
+/// How a job ended.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Outcome {
+    Done(Box<ShotResult>),
+    Failed { reason: String, detail: String, attempts: String },
+}
+
+impl Outcome {
+    pub fn is_failed(&self) -> bool {
+        matches!(self, Self::Failed { .. })
+    }
+}
+
+/// A job to wait for.
+#[derive(Debug, Clone)]
+pub struct Awaited {
+    pub project: String,
+    pub job_id: String,
+    /// The submission found it already queued (or done) inside the duplicate window.
+    pub duplicate: bool,
+}
+
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum WaitError {
+    #[error("cannot follow {what}: {detail}")]
+    Follow { what: String, detail: String },
+    #[error("gave up after {0:?}: {1} of the jobs have no result or failed record yet")]
+    TimedOut(Duration, usize),
+}
+
+/// Follows results and failed records until every job in `jobs` has an outcome.
+/// `on_outcome` is called as outcomes arrive (for progress).
+///
+/// # Errors
+/// [`WaitError::TimedOut`] when `timeout` passes first; [`WaitError::Follow`] when a stream
+/// cannot be read.
+pub async fn wait(
+    js: &jetstream::Context,
+    jobs: &[Awaited],
+    since: SystemTime,
+    timeout: Option<Duration>,
+    mut on_outcome: impl FnMut(&str, &Outcome),
+) -> Result<HashMap<String, Outcome>, WaitError> {
+    let wanted: HashMap<&str, &Awaited> = jobs.iter().map(|j| (j.job_id.as_str(), j)).collect();
+    let projects: BTreeSet<&str> = jobs.iter().map(|j| j.project.as_str()).collect();
+    let mut feeds = Vec::new();
+    for project in projects {
+        feeds.push(follow(js, subject::RESULTS_STREAM, format!("{}.done.{project}.*", subject::ROOT)).await?);
+        feeds.push(follow(js, subject::FAILED_STREAM, format!("{}.failed.*.{project}", subject::ROOT)).await?);
+    }
+    let mut messages = futures::stream::select_all(feeds);
+    let mut outcomes: HashMap<String, Outcome> = HashMap::new();
+    let mut done: HashSet<String> = HashSet::new();
+    let deadline = timeout.map(|t| tokio::time::Instant::now() + t);
+
+    while done.len() < wanted.len() {
+        let next = match deadline {
+            Some(deadline) => match tokio::time::timeout_at(deadline, messages.next()).await {
+                Ok(next) => next,
+                Err(_) => {
+                    return Err(WaitError::TimedOut(timeout.unwrap_or_default(), wanted.len() - done.len()));
+                }
+            },
+            None => messages.next().await,
+        };
+        let Some(message) = next else { break };
+        let Ok(message) = message else { continue };
+        let Some((job_id, outcome)) = read_outcome(&message, &wanted, since) else { continue };
+        // A result is final; a failed record stands only until a result arrives.
+        if outcomes.get(&job_id).is_some_and(|o| !o.is_failed()) {
+            continue;
+        }
+        on_outcome(&job_id, &outcome);
+        if !outcome.is_failed() || !done.contains(&job_id) {
+            done.insert(job_id.clone());
+        }
+        outcomes.insert(job_id, outcome);
+    }
+    Ok(outcomes)
+}
+
+async fn follow(
+    js: &jetstream::Context,
+    stream: &str,
+    filter: String,
+) -> Result<consumer::push::Ordered, WaitError> {
+    let err = |detail: String| WaitError::Follow { what: format!("{stream} ({filter})"), detail };
+    let stream = js.get_stream(stream).await.map_err(|e| err(e.to_string()))?;
+    let consumer = stream
+        .create_consumer(consumer::push::OrderedConfig {
+            deliver_subject: js_inbox(),
+            filter_subject: filter.clone(),
+            deliver_policy: consumer::DeliverPolicy::All,
+            ..Default::default()
+        })
+        .await
+        .map_err(|e| err(e.to_string()))?;
+    consumer.messages().await.map_err(|e| err(e.to_string()))
+}
+
+fn js_inbox() -> String {
+    format!("_INBOX.shotfleet-wait.{}", nuid())
+}
+
+/// A unique enough token for an inbox: time and a counter.
+fn nuid() -> String {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let nanos = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).unwrap_or_default().as_nanos();
+    format!("{nanos:x}{:x}", COUNTER.fetch_add(1, Ordering::Relaxed))
+}
+
+fn read_outcome(
+    message: &jetstream::Message,
+    wanted: &HashMap<&str, &Awaited>,
+    since: SystemTime,
+) -> Option<(String, Outcome)> {
+    let header = |name: &str| {
+        message.headers.as_ref().and_then(|h| h.get(name)).map(|v| v.as_str().to_owned())
+    };
+    if message.subject.starts_with(&format!("{}.done.", subject::ROOT)) {
+        let content_type = ContentType::from_header(header(encoding::HEADER).as_deref()).ok()?;
+        let result: ShotResult = encoding::decode(content_type, &message.payload).ok()?;
+        wanted.contains_key(result.job_id.as_str()).then(|| (result.job_id.clone(), Outcome::Done(Box::new(result))))
+    } else {
+        let job_id = header(failure::JOB_ID)?;
+        let awaited = wanted.get(job_id.as_str())?;
+        let written: SystemTime = message.info().ok()?.published.into();
+        if !awaited.duplicate && written < since {
+            return None;
+        }
+        let outcome = Outcome::Failed {
+            reason: header(failure::REASON).unwrap_or_default(),
+            detail: header(failure::DETAIL).unwrap_or_default(),
+            attempts: header(failure::ATTEMPTS).unwrap_or_default(),
+        };
+        Some((job_id, outcome))
+    }
+}
