@@ -1,0 +1,284 @@
+//! The `shotfleet` command against real nats-server processes.
+
+use std::path::{Path, PathBuf};
+use std::process::Output;
+
+use async_nats::jetstream;
+use async_nats::HeaderMap;
+use futures::StreamExt;
+use shotfleet_schema::encoding::{self, ContentType};
+use shotfleet_schema::{failure, subject, ResultStatus, ShotJob, ShotResult, Timing};
+use shotfleet_testkit::nats::{NatsServer, ServerBinary, ServerOptions};
+
+fn demo_storyboard() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/demo/storyboard.jsonl")
+}
+
+async fn shotfleet(server: &str, args: &[&str]) -> Output {
+    tokio::process::Command::new(env!("CARGO_BIN_EXE_shotfleet"))
+        .args(args)
+        .env("NATS_URL", server)
+        .env_remove("NATS_CREDS")
+        .env_remove("NATS_USER")
+        .env_remove("NATS_PASSWORD")
+        .output()
+        .await
+        .expect("run shotfleet")
+}
+
+fn text(output: &Output) -> String {
+    format!("{}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr))
+}
+
+async fn jobs_in_stream(server: &NatsServer) -> u64 {
+    let client = async_nats::connect(server.url()).await.unwrap();
+    let js = jetstream::new(client);
+    let mut stream = js.get_stream(subject::JOBS_STREAM).await.unwrap();
+    stream.info().await.unwrap().state.messages
+}
+
+#[tokio::test]
+async fn setup_is_idempotent_on_every_server_version() {
+    for binary in ServerBinary::available() {
+        let server = NatsServer::start_with(ServerOptions { binary, ..Default::default() });
+        let first = shotfleet(&server.url(), &["setup"]).await;
+        assert!(first.status.success(), "{binary:?}: {}", text(&first));
+        assert!(text(&first).contains("21 created"), "{binary:?}: {}", text(&first));
+        let again = shotfleet(&server.url(), &["setup"]).await;
+        assert!(text(&again).contains("0 created, 0 updated, 21 already as wanted"), "{}", text(&again));
+
+        // One filter per consumer: check the server kept exactly the filter we set (2.9.10
+        // drops `filter_subjects`, which would leave a consumer unfiltered).
+        let client = async_nats::connect(server.url()).await.unwrap();
+        let js = jetstream::new(client);
+        let stream = js.get_stream(subject::JOBS_STREAM).await.unwrap();
+        let info = stream.consumer_info("render-p0-m").await.unwrap();
+        assert_eq!(info.config.filter_subject, "shots.p0.m.*", "{binary:?}");
+    }
+}
+
+#[tokio::test]
+async fn an_incompatible_stream_is_reported_not_clobbered() {
+    let server = NatsServer::start();
+    let client = async_nats::connect(server.url()).await.unwrap();
+    let js = jetstream::new(client);
+    // Someone made SHOTS by hand with limits retention and a short duplicate window.
+    js.create_stream(jetstream::stream::Config {
+        name: subject::JOBS_STREAM.into(),
+        subjects: subject::jobs_stream_subjects(),
+        duplicate_window: std::time::Duration::from_secs(60),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let out = shotfleet(&server.url(), &["setup"]).await;
+    assert_eq!(out.status.code(), Some(3), "{}", text(&out));
+    let message = text(&out);
+    assert!(message.contains("stream SHOTS exists with a different configuration"), "{message}");
+    assert!(message.contains("retention is Limits, wanted WorkQueue"), "{message}");
+    assert!(message.contains("duplicate_window is 60s, wanted 1200s"), "{message}");
+    let mut stream = js.get_stream(subject::JOBS_STREAM).await.unwrap();
+    assert_eq!(
+        stream.info().await.unwrap().config.retention,
+        jetstream::stream::RetentionPolicy::Limits,
+        "left as it was"
+    );
+}
+
+#[tokio::test]
+async fn setup_update_changes_what_the_server_allows() {
+    let server = NatsServer::start();
+    assert!(shotfleet(&server.url(), &["setup"]).await.status.success());
+    let out = shotfleet(&server.url(), &["setup", "--failed-max-age", "2d"]).await;
+    assert_eq!(out.status.code(), Some(3), "{}", text(&out));
+    assert!(text(&out).contains("max_age is 2592000s, wanted 172800s"), "{}", text(&out));
+    let out = shotfleet(&server.url(), &["setup", "--failed-max-age", "2d", "--update"]).await;
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(text(&out).contains("updated   stream SHOTS_FAILED"), "{}", text(&out));
+}
+
+#[tokio::test]
+async fn resubmitting_inside_the_duplicate_window_queues_nothing_twice() {
+    for binary in ServerBinary::available() {
+        let server = NatsServer::start_with(ServerOptions { binary, ..Default::default() });
+        shotfleet(&server.url(), &["setup"]).await;
+        let board = demo_storyboard();
+        let first = shotfleet(&server.url(), &["submit", board.to_str().unwrap()]).await;
+        assert!(first.status.success(), "{}", text(&first));
+        assert!(text(&first).contains("queued 9 job(s)"), "{}", text(&first));
+        let second = shotfleet(&server.url(), &["submit", board.to_str().unwrap(), "--json"]).await;
+        assert!(text(&second).contains("queued 0 job(s)"), "{}", text(&second));
+        assert!(text(&second).contains("9 already queued inside the duplicate window"), "{}", text(&second));
+        assert_eq!(jobs_in_stream(&server).await, 9, "{binary:?}");
+    }
+}
+
+#[tokio::test]
+async fn jobs_land_on_their_priority_and_class_subjects_with_msg_ids() {
+    let server = NatsServer::start();
+    shotfleet(&server.url(), &["setup"]).await;
+    let board = demo_storyboard();
+    assert!(shotfleet(&server.url(), &["submit", board.to_str().unwrap()]).await.status.success());
+    let client = async_nats::connect(server.url()).await.unwrap();
+    let js = jetstream::new(client);
+    let stream = js.get_stream(subject::JOBS_STREAM).await.unwrap();
+    let message = stream.get_last_raw_message_by_subject("shots.p0.xs.moth").await.unwrap();
+    let headers = message.headers;
+    assert_eq!(headers.get("Nats-Msg-Id").unwrap().as_str(), "moth-ep03-s01");
+    assert_eq!(headers.get("Content-Type").unwrap().as_str(), "application/msgpack");
+    let job = encoding::parse_job(Some("application/msgpack"), &message.payload, &Default::default()).unwrap();
+    assert_eq!(job.shot_id, "s01");
+}
+
+#[tokio::test]
+async fn a_file_with_bad_lines_publishes_nothing_unless_told() {
+    let server = NatsServer::start();
+    shotfleet(&server.url(), &["setup"]).await;
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("board.csv");
+    std::fs::write(
+        &file,
+        "job_id,project,shot_id,prompt,width,height,steps,guidance,seed,priority\n\
+         ok-1,acme,s1,a cat,512,512,20,5,1,p1\n\
+         bad-1,acme,s2,a dog,513,512,20,5,2,p1\n\
+         bad-2,ac/me,s3,a cow,512,512,20,5,3,p1\n\
+         ok-2,acme,s4,a fox,512,512,20,5,4,p2\n",
+    )
+    .unwrap();
+    let out = shotfleet(&server.url(), &["submit", file.to_str().unwrap()]).await;
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    let message = text(&out);
+    assert!(message.contains("line 3: field `width`: 513 must be a positive multiple of 8"), "{message}");
+    assert!(message.contains("line 4: field `project`"), "{message}");
+    assert!(message.contains("nothing was published"), "{message}");
+    assert_eq!(jobs_in_stream(&server).await, 0);
+
+    let out = shotfleet(&server.url(), &["submit", file.to_str().unwrap(), "--skip-invalid"]).await;
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(text(&out).contains("queued 2 job(s)"), "{}", text(&out));
+    assert_eq!(jobs_in_stream(&server).await, 2);
+}
+
+#[tokio::test]
+async fn connection_errors_name_what_failed() {
+    let out = shotfleet("nats://127.0.0.1:1", &["status"]).await;
+    assert_eq!(out.status.code(), Some(3));
+    assert!(text(&out).contains("cannot connect to NATS at nats://127.0.0.1:1"), "{}", text(&out));
+
+    let server = NatsServer::start_with(ServerOptions {
+        extra_config: "authorization { user: render, password: s3cret }\n".into(),
+        ..Default::default()
+    });
+    let out = shotfleet(&server.url(), &["status", "--user", "render", "--password", "wrong"]).await;
+    assert_eq!(out.status.code(), Some(3));
+    assert!(text(&out).contains("authorization violation"), "{}", text(&out));
+    assert!(!text(&out).contains("wrong"), "the password must not be echoed: {}", text(&out));
+    let out = shotfleet(&server.url(), &["setup", "--user", "render", "--password", "s3cret"]).await;
+    assert!(out.status.success(), "{}", text(&out));
+
+    let out = shotfleet(&server.url(), &["status", "--creds", "/nonexistent.creds"]).await;
+    assert!(text(&out).contains("cannot read NATS credentials file /nonexistent.creds"), "{}", text(&out));
+}
+
+/// Plays the worker's part on the wire: takes every job from the stream and publishes a result
+/// (or, for one job, a failed record) exactly as a worker does.
+async fn answer_jobs(url: String, fail_job: &'static str) {
+    let client = async_nats::connect(url).await.unwrap();
+    let js = jetstream::new(client);
+    let stream = js.get_stream(subject::JOBS_STREAM).await.unwrap();
+    let mut pulled = Vec::new();
+    while pulled.len() < 9 {
+        for config in shotfleet_schema::nats::Topology::default().consumers() {
+            let consumer: jetstream::consumer::PullConsumer =
+                stream.get_consumer(config.durable_name.as_deref().unwrap()).await.unwrap();
+            let mut batch = consumer
+                .fetch()
+                .max_messages(20)
+                .expires(std::time::Duration::from_millis(100))
+                .messages()
+                .await
+                .unwrap();
+            while let Some(message) = batch.next().await {
+                pulled.push(message.unwrap());
+            }
+        }
+    }
+    for message in pulled {
+        let ct = message.headers.as_ref().and_then(|h| h.get("Content-Type")).map(|v| v.as_str().to_owned());
+        let job: ShotJob = encoding::decode_job(ct.as_deref(), &message.payload).unwrap();
+        let parsed = subject::parse_job(&message.subject).unwrap();
+        if job.job_id == fail_job {
+            let mut headers = HeaderMap::new();
+            headers.insert(failure::REASON, "oom");
+            headers.insert(failure::DETAIL, "below the floor");
+            headers.insert(failure::ATTEMPTS, "3");
+            headers.insert(failure::JOB_ID, job.job_id.as_str());
+            js.publish_with_headers(subject::failed(parsed.priority, &job.project), headers, message.payload.clone())
+                .await
+                .unwrap()
+                .await
+                .unwrap();
+        } else {
+            let result = ShotResult {
+                v: 1,
+                job_id: job.job_id.clone(),
+                project: job.project.clone(),
+                shot_id: job.shot_id.clone(),
+                status: ResultStatus::Done,
+                images: vec![],
+                degrade: None,
+                worker: "test".into(),
+                device: "cpu".into(),
+                attempt: 1,
+                timing: Timing::default(),
+                finished_at_ms: 0,
+            };
+            let mut headers = HeaderMap::new();
+            headers.insert("Content-Type", ContentType::Json.as_str());
+            js.publish_with_headers(
+                subject::result(&job.project, &job.job_id),
+                headers,
+                encoding::encode(ContentType::Json, &result).into(),
+            )
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+        }
+        message.ack().await.unwrap();
+    }
+}
+
+#[tokio::test]
+async fn submit_wait_reports_every_job_and_fails_when_one_failed() {
+    let server = NatsServer::start();
+    shotfleet(&server.url(), &["setup"]).await;
+    let worker = tokio::spawn(answer_jobs(server.url(), "moth-ep03-s02"));
+    let board = demo_storyboard();
+    let out = shotfleet(&server.url(), &["submit", board.to_str().unwrap(), "--wait", "--timeout", "60s"]).await;
+    worker.await.unwrap();
+    let message = text(&out);
+    assert_eq!(out.status.code(), Some(1), "{message}");
+    assert!(message.contains("8 done, 0 degraded, 1 failed"), "{message}");
+    assert!(message.contains("oom: below the floor"), "{message}");
+
+    // Submitting again inside the window: nothing is queued, and the outcomes are still known.
+    let out = shotfleet(&server.url(), &["submit", board.to_str().unwrap(), "--wait", "--timeout", "30s"]).await;
+    assert!(text(&out).contains("8 done, 0 degraded, 1 failed"), "{}", text(&out));
+}
+
+#[tokio::test]
+async fn status_shows_pending_per_priority_and_class() {
+    let server = NatsServer::start();
+    shotfleet(&server.url(), &["setup"]).await;
+    let board = demo_storyboard();
+    shotfleet(&server.url(), &["submit", board.to_str().unwrap()]).await;
+    let out = shotfleet(&server.url(), &["status"]).await;
+    assert!(out.status.success(), "{}", text(&out));
+    let table = text(&out);
+    let row = |name: &str| table.lines().find(|l| l.starts_with(name)).unwrap_or_default().to_owned();
+    // p0: two 64x64 shots, both class xs.
+    assert!(row("render-p0-xs ").split_whitespace().nth(1) == Some("2"), "{table}");
+    assert!(row("render-p1-xs ").split_whitespace().nth(1) == Some("4"), "{table}");
+    assert!(table.contains("failed: 0"), "{table}");
+}
