@@ -415,7 +415,7 @@ impl Pipeline {
     fn validate(&self, req: &RenderRequest) -> Result<(usize, usize), RenderError> {
         let f = self.info.vae_scale_factor;
         let invalid = |s: String| Err(RenderError::InvalidRequest(s));
-        if req.width == 0 || req.height == 0 || req.width % f != 0 || req.height % f != 0 {
+        if req.width == 0 || req.height == 0 || !req.width.is_multiple_of(f) || !req.height.is_multiple_of(f) {
             return invalid(format!("size {}x{} is not a positive multiple of {f}", req.width, req.height));
         }
         if req.steps == 0 {

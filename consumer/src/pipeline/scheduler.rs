@@ -284,6 +284,8 @@ fn numpy_interp(x: f64, fp: &[f32]) -> f64 {
 }
 
 #[cfg(test)]
+// The expected values are diffusers' f32 output printed with 10 significant digits.
+#[allow(clippy::excessive_precision)]
 mod tests {
     use super::*;
 

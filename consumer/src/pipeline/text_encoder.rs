@@ -37,6 +37,14 @@ impl PromptEmbeds {
     }
 }
 
+/// What one encoder run gives: the penultimate hidden states `[1, seq, dim]` and, when asked,
+/// one more output (the pooled `text_embeds`).
+struct EncoderOutput {
+    shape: Vec<usize>,
+    hidden: Vec<f32>,
+    extra: Option<Vec<f32>>,
+}
+
 /// One encoder with its tokenizer and the output that gives the penultimate layer.
 struct Encoder {
     tokenizer: ClipTokenizer,
@@ -74,9 +82,7 @@ impl Encoder {
         Ok(Encoder { tokenizer, session, input_ids, penultimate })
     }
 
-    /// Runs the encoder on `text`; returns the penultimate hidden states `[seq, dim]` and,
-    /// when asked, another output (the pooled `text_embeds`).
-    fn run(&self, text: &str, extra: Option<&str>) -> Result<(Vec<usize>, Vec<f32>, Option<Vec<f32>>), RenderError> {
+    fn run(&self, text: &str, extra: Option<&str>) -> Result<EncoderOutput, RenderError> {
         let ids = self.tokenizer.encode(text).map_err(RenderError::Tokenize)?;
         let ids: Vec<i64> = ids.into_iter().map(i64::from).collect();
         let port = self.session.input(&self.input_ids).expect("checked at load");
@@ -94,7 +100,7 @@ impl Encoder {
             Some(name) => Some(extract_f32(&outputs[name]).map_err(bad)?.1),
             None => None,
         };
-        Ok((shape, hidden, extra))
+        Ok(EncoderOutput { shape, hidden, extra })
     }
 }
 
@@ -137,8 +143,8 @@ impl TextEncoders {
     /// # Errors
     /// [`RenderError::Runtime`] from ONNX Runtime, or [`RenderError::Output`] on unexpected shapes.
     pub(crate) fn encode(&self, text: &str) -> Result<PromptEmbeds, RenderError> {
-        let (shape1, hidden1, _) = self.first.run(text, None)?;
-        let (shape2, hidden2, pooled) = self.second.run(text, Some(&self.pooled))?;
+        let EncoderOutput { shape: shape1, hidden: hidden1, .. } = self.first.run(text, None)?;
+        let EncoderOutput { shape: shape2, hidden: hidden2, extra: pooled } = self.second.run(text, Some(&self.pooled))?;
         if shape1[1] != shape2[1] {
             return Err(RenderError::Output {
                 stage: Stage::TextEncode,
