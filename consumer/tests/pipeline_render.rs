@@ -103,3 +103,11 @@ fn png_carries_parameters_and_info_describes_the_model() {
     assert_eq!(text("image_index").as_deref(), Some("3"));
     assert!(out.timings.unet > std::time::Duration::ZERO);
 }
+
+/// The worker shares one pipeline between its blocking render thread and its health checks.
+#[test]
+fn pipeline_is_send_and_sync() {
+    fn assert_send_sync<T: Send + Sync>() {}
+    assert_send_sync::<shotfleet_consumer::pipeline::Pipeline>();
+    assert_send_sync::<RenderError>();
+}
