@@ -349,8 +349,9 @@ def write_configs(out: Path, models: dict, scheduler_config: dict, force_zeros_f
 
 
 def _plain(obj):
-    """JSON-safe copy of a diffusers FrozenDict config (tuples -> lists)."""
-    return json.loads(json.dumps(obj, default=lambda o: list(o) if isinstance(o, (tuple, set)) else str(o)))
+    """JSON-safe copy of a diffusers FrozenDict config (tuples -> lists), without diffusers' bookkeeping."""
+    obj = {k: v for k, v in obj.items() if k != "_use_default_values"}
+    return json.loads(json.dumps(obj, default=lambda o: list(o) if isinstance(o, tuple) else str(o)))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,90 @@
+"""Fuses a float32 SDXL UNet export with ONNX Runtime's transformer optimizer, then converts it to float16.
+
+    python onnx/optimize_unet.py IN_FP32_MODEL.onnx OUT_MODEL.onnx [--cpu]
+
+The recipe measured on the H200 (see shared/gpu/README.md): optimize_model(model_type="unet",
+opt_level=0, FusionOptions("unet"), use_gpu=True) gives MultiHeadAttention, BiasSplitGelu,
+GroupNorm/SkipGroupNorm, SkipLayerNormalization and NhwcConv nodes (CUDA-only contrib ops), then
+convert_float_to_float16(keep_io_types=False, op_block_list=["RandomNormalLike"]), saved with one
+external data file. --cpu passes use_gpu=False and turns off the CUDA-only fusions (NhwcConv,
+GroupNorm, SkipGroupNorm, BiasSplitGelu, packed QKV/KV, BiasAdd), so the result runs on ONNX
+Runtime's CPU provider (MultiHeadAttention, SkipLayerNormalization remain); for testing here.
+
+Two traps:
+- Give it the float32 export. Optimizing a float16 export fails ("Raw data size does not match
+  tensor's size").
+- onnxruntime 1.31.1's fusion_attention_unet.py calls int() on a 1-element array, an error under
+  numpy >= 2.3 ("only 0-dimensional arrays can be converted to Python scalars"). Run this script
+  with numpy 2.2.6 first on PYTHONPATH, e.g. `pip install --target /root/np numpy==2.2.6` and
+  `PYTHONPATH=/root/np python onnx/optimize_unet.py ...`. export_sdxl.py runs it in a subprocess
+  for that reason (--optimizer-pythonpath).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+import time
+from pathlib import Path
+
+EXTERNAL_DATA_THRESHOLD = 1_900_000_000
+
+
+def optimize(src: Path, dst: Path, use_gpu: bool) -> collections.Counter:
+    import onnx
+    from onnxruntime.transformers.fusion_options import FusionOptions
+    from onnxruntime.transformers.optimizer import optimize_model
+
+    t0 = time.time()
+    options = FusionOptions("unet")
+    if not use_gpu:
+        # These fusions produce contrib ops that only the CUDA provider implements.
+        options.enable_nhwc_conv = False
+        options.enable_group_norm = False
+        options.enable_skip_group_norm = False
+        options.enable_bias_splitgelu = False
+        options.enable_packed_qkv = False
+        options.enable_packed_kv = False
+        options.enable_bias_add = False
+    model = optimize_model(
+        str(src),
+        model_type="unet",
+        opt_level=0,
+        optimization_options=options,
+        use_gpu=use_gpu,
+    )
+    print(f"fused in {time.time() - t0:.0f} s", flush=True)
+    model.convert_float_to_float16(keep_io_types=False, op_block_list=["RandomNormalLike"])
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    for stale in (dst, dst.with_name(dst.name + "_data")):
+        if stale.exists():
+            stale.unlink()
+    model.topological_sort()
+    size = sum(len(t.raw_data) for t in model.model.graph.initializer)
+    if size > EXTERNAL_DATA_THRESHOLD:
+        # Optimum's name for the weights file (onnxruntime's own save would call it model.onnx.data).
+        onnx.save_model(model.model, str(dst), save_as_external_data=True, all_tensors_to_one_file=True,
+                        location=dst.name + "_data", size_threshold=1024)
+        print(f"saved with external data ({size / 1e9:.1f} GB)", flush=True)
+    else:
+        onnx.save_model(model.model, str(dst))
+    ops = collections.Counter(n.op_type for n in model.model.graph.node)
+    print(f"optimized in {time.time() - t0:.0f} s; nodes: {dict(ops.most_common(12))}", flush=True)
+    return ops
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("src", type=Path)
+    ap.add_argument("dst", type=Path)
+    ap.add_argument("--cpu", action="store_true", help="use_gpu=False (CPU-runnable fusions)")
+    args = ap.parse_args()
+    import numpy
+
+    print(f"numpy {numpy.__version__} from {numpy.__file__}", file=sys.stderr)
+    optimize(args.src, args.dst, use_gpu=not args.cpu)
+
+
+if __name__ == "__main__":
+    main()
