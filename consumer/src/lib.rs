@@ -1,2 +1,3 @@
 //! The shotfleet worker.
+pub mod budget;
 pub mod pipeline;

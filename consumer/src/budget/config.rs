@@ -1,0 +1,163 @@
+//! The `[budget]` section of the worker's config.
+
+use serde::{Deserialize, Serialize};
+
+/// Bytes in a mebibyte; config speaks MiB, the budget bytes.
+pub const MIB: u64 = 1024 * 1024;
+
+/// How much of the card the worker may plan with, and when to hold back.
+///
+/// Fractions are of the card's total memory as NVML reports it (or the simulation's).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct BudgetConfig {
+    /// The worker never plans beyond this fraction of the card.
+    pub max_fill: f64,
+    /// Held back from the card on top of the resident models: CUDA context growth, cuDNN
+    /// workspaces, fragmentation.
+    pub reserve_mib: u64,
+    /// Kept free on the card whatever the plan says, so another process's small allocation
+    /// does not fail because of us.
+    pub margin_mib: u64,
+    /// Above this used fraction stop fetching (and shrink the arena).
+    pub stop_fetch_at: f64,
+    /// Above this used fraction render smaller batches.
+    pub lower_batch_at: f64,
+    /// Below this used fraction larger batches are welcome.
+    pub allow_more_below: f64,
+    /// Added on top of every estimated need, as a fraction of it.
+    pub safety: f64,
+    /// The side of the largest square an `xl` job may ask for (the schema's `max_side`); the
+    /// class has no upper bound of its own.
+    pub xl_max_side: u32,
+    /// How many recent observed peaks the estimate keeps fitting on.
+    pub learn_window: usize,
+    /// How long one GPU snapshot answers queries; NVML calls are cheap but not free.
+    pub snapshot_max_age_ms: u64,
+    /// A simulated GPU for CPU runs and tests. Required with `device = "cpu"`, never implied.
+    pub simulate: Option<SimulateConfig>,
+}
+
+impl Default for BudgetConfig {
+    fn default() -> Self {
+        Self {
+            max_fill: 0.90,
+            reserve_mib: 512,
+            margin_mib: 256,
+            stop_fetch_at: 0.92,
+            lower_batch_at: 0.85,
+            allow_more_below: 0.70,
+            safety: 0.10,
+            xl_max_side: 2048,
+            learn_window: 64,
+            snapshot_max_age_ms: 75,
+            simulate: None,
+        }
+    }
+}
+
+/// A "GPU" of `total_mib` whose used memory is this process's resident memory plus
+/// `others_used_mib` that other processes are pretending to hold.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SimulateConfig {
+    pub total_mib: u64,
+    #[serde(default)]
+    pub others_used_mib: u64,
+}
+
+/// A config value outside what the budget can work with.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("budget.{field}: {message}")]
+pub struct ConfigError {
+    pub field: &'static str,
+    pub message: String,
+}
+
+impl BudgetConfig {
+    /// Checks the values once at start, so a typo'd fraction fails loudly instead of admitting
+    /// nothing (or everything).
+    ///
+    /// # Errors
+    ///
+    /// The first field out of range, with the range it must lie in.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let fraction = |field, value: f64| {
+            if value > 0.0 && value <= 1.0 {
+                Ok(())
+            } else {
+                Err(ConfigError { field, message: format!("{value} is not a fraction in (0, 1]") })
+            }
+        };
+        fraction("max_fill", self.max_fill)?;
+        fraction("stop_fetch_at", self.stop_fetch_at)?;
+        fraction("lower_batch_at", self.lower_batch_at)?;
+        fraction("allow_more_below", self.allow_more_below)?;
+        if !(self.allow_more_below < self.lower_batch_at && self.lower_batch_at < self.stop_fetch_at) {
+            return Err(ConfigError {
+                field: "lower_batch_at",
+                message: format!(
+                    "water levels must rise: allow_more_below ({}) < lower_batch_at ({}) < stop_fetch_at ({})",
+                    self.allow_more_below, self.lower_batch_at, self.stop_fetch_at
+                ),
+            });
+        }
+        if !(0.0..=4.0).contains(&self.safety) {
+            return Err(ConfigError { field: "safety", message: format!("{} is outside 0..=4", self.safety) });
+        }
+        if self.xl_max_side == 0 {
+            return Err(ConfigError { field: "xl_max_side", message: "must be positive".into() });
+        }
+        if self.learn_window == 0 {
+            return Err(ConfigError { field: "learn_window", message: "must keep at least one observation".into() });
+        }
+        if let Some(sim) = &self.simulate {
+            if sim.total_mib == 0 {
+                return Err(ConfigError { field: "simulate.total_mib", message: "must be positive".into() });
+            }
+            if sim.others_used_mib >= sim.total_mib {
+                return Err(ConfigError {
+                    field: "simulate.others_used_mib",
+                    message: format!("{} leaves nothing of total_mib {}", sim.others_used_mib, sim.total_mib),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    pub(crate) fn reserve_bytes(&self) -> u64 {
+        self.reserve_mib * MIB
+    }
+
+    pub(crate) fn margin_bytes(&self) -> u64 {
+        self.margin_mib * MIB
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_are_valid_and_unknown_keys_are_refused() {
+        BudgetConfig::default().validate().unwrap();
+        let parsed: BudgetConfig = toml::from_str("simulate = { total_mib = 4096 }").unwrap();
+        assert_eq!(parsed.simulate, Some(SimulateConfig { total_mib: 4096, others_used_mib: 0 }));
+        assert_eq!(parsed.max_fill, 0.90);
+        assert!(toml::from_str::<BudgetConfig>("max_fil = 0.5").is_err());
+        assert!(toml::from_str::<BudgetConfig>("[simulate]\ntotal_mib = 1\nx = 1").is_err());
+    }
+
+    #[test]
+    fn out_of_range_values_name_their_field() {
+        let bad = BudgetConfig { max_fill: 1.5, ..BudgetConfig::default() };
+        assert_eq!(bad.validate().unwrap_err().field, "max_fill");
+        let upside_down = BudgetConfig { lower_batch_at: 0.95, ..BudgetConfig::default() };
+        assert_eq!(upside_down.validate().unwrap_err().field, "lower_batch_at");
+        let full = BudgetConfig {
+            simulate: Some(SimulateConfig { total_mib: 100, others_used_mib: 100 }),
+            ..BudgetConfig::default()
+        };
+        assert_eq!(full.validate().unwrap_err().field, "simulate.others_used_mib");
+    }
+}

@@ -1,0 +1,526 @@
+//! The worker's GPU memory budget: which jobs fit on the card now.
+//!
+//! The budget knows nothing of NATS. The worker asks it, before each fetch, which memory
+//! classes fit and how many jobs can start ([`Budget::admit`]); reserves a job's estimated need
+//! when it starts ([`Budget::reserve`], released when the guard drops); and reports each render's
+//! observed peak ([`Budget::observe`]) so the estimate learns.
+//!
+//! **Room.** `budget = min(total x max_fill - resident - reserve, free - margin)`, less what
+//! the jobs in flight reserved. `resident` is the models, measured once after they load
+//! ([`GpuSnapshot::resident_since`]). `free` is the driver's, so other processes on the card
+//! count. Where NVML reports this process's own usage, what the process holds beyond the models
+//! (in-flight renders, ONNX Runtime's cached arena) is counted back as free, since reservations
+//! already account for it; where it cannot (some containers), our own arena counts as someone
+//! else's, which errs on the safe side.
+//!
+//! **Need.** A render of `images` images of `w x h` needs `a + b x (w/8)(h/8) x images x 2`
+//! bytes ([`Estimate`]): a fixed part and a part per latent pixel of the guidance batch. `a` and
+//! `b` are fitted to peaks measured at start and refined by every observed peak; a shape never
+//! gets less than it was seen to take. `safety` is added on top. Fits are stored per card, model
+//! and runtime ([`FingerprintStore`]), so a restart skips calibration.
+//!
+//! **Steps cost time, not memory.** A denoising step overwrites the same latent and reuses the
+//! same activations as the step before; nothing accumulates across steps. So the step count is
+//! not in the model, and fewer steps is a degrade rung for time limits, not for memory.
+//!
+//! **Water levels** ([`Water`]) read the card's real fill and override the plan: above
+//! `stop_fetch_at` admission is closed whatever the estimates say.
+//!
+//! Modules: `config` (the `[budget]` section), `probe` (the [`GpuProbe`] trait and peak
+//! measurement), `nvml` (real cards), `simulated` (CPU runs and tests), `estimate` (the need
+//! model), `fingerprint` (its persistence), `water` (levels).
+
+mod config;
+mod estimate;
+mod fingerprint;
+mod nvml;
+mod probe;
+mod simulated;
+mod water;
+
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
+
+use shotfleet_schema::MemoryClass;
+use tracing::warn;
+
+pub use config::{BudgetConfig, ConfigError, MIB, SimulateConfig};
+pub use estimate::{Estimate, EstimateError, Sample, Shape};
+pub use fingerprint::{FingerprintError, FingerprintKey, FingerprintStore};
+pub use nvml::NvmlProbe;
+pub use probe::{GpuProbe, GpuSnapshot, PeakWindow, ProbeError};
+pub use simulated::{SIMULATED_DEVICE, SimulatedGpu};
+pub use water::Water;
+
+/// Opens the probe the config asks for: the simulation for a CPU run (`gpu` is `None`), NVML's
+/// GPU `gpu` otherwise. Neither stands in for the other.
+///
+/// # Errors
+///
+/// A CPU run without `[budget.simulate]`, a GPU run with it, or NVML unavailable.
+pub fn open_probe(config: &BudgetConfig, gpu: Option<u32>) -> Result<Arc<dyn GpuProbe>, ProbeError> {
+    match (gpu, &config.simulate) {
+        (None, Some(simulate)) => Ok(Arc::new(SimulatedGpu::new(simulate)?)),
+        (Some(index), None) => Ok(Arc::new(NvmlProbe::open(index)?)),
+        (None, None) => Err(ProbeError::SimulationRequired),
+        (Some(index), Some(_)) => Err(ProbeError::SimulationOnGpu { index }),
+    }
+}
+
+/// The budget of one card. Cheap to clone; clones share one plan.
+#[derive(Clone)]
+pub struct Budget {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    config: BudgetConfig,
+    probe: Arc<dyn GpuProbe>,
+    max_age: Duration,
+    cache: Mutex<Option<(Instant, GpuSnapshot)>>,
+    plan: Mutex<Plan>,
+}
+
+/// What the budget has promised.
+struct Plan {
+    estimate: Estimate,
+    resident: u64,
+    reserved: u64,
+    in_flight: u32,
+}
+
+/// Which classes fit now, and how many jobs of each could start.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Admission {
+    pub water: Water,
+    /// Each class that fits, smallest first, with how many one-image jobs at the class's
+    /// largest size the room holds at once (at least 1).
+    pub fits: Vec<(MemoryClass, u32)>,
+}
+
+impl Admission {
+    pub fn classes(&self) -> Vec<MemoryClass> {
+        self.fits.iter().map(|(class, _)| *class).collect()
+    }
+
+    /// How many jobs of `class` could start now (0 when it does not fit).
+    pub fn jobs(&self, class: MemoryClass) -> u32 {
+        self.fits.iter().find(|(c, _)| *c == class).map_or(0, |(_, n)| *n)
+    }
+}
+
+/// The budget for metrics and logs, bytes throughout.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BudgetStatus {
+    pub device: String,
+    pub total: u64,
+    pub used: u64,
+    pub free: u64,
+    /// Used by other processes, where this process's own usage is known.
+    pub others_used: Option<u64>,
+    pub resident: u64,
+    /// Room for renders, before reservations.
+    pub budget: u64,
+    pub reserved: u64,
+    /// `budget - reserved`: what a new job can have.
+    pub available: u64,
+    pub in_flight: u32,
+    pub water: Water,
+    pub utilization: Option<f64>,
+    pub temperature_c: Option<u32>,
+}
+
+/// A job's share of the budget, given back when dropped.
+#[must_use = "the reservation is released as soon as it is dropped"]
+pub struct Reservation {
+    inner: Arc<Inner>,
+    shape: Shape,
+    bytes: u64,
+}
+
+impl Reservation {
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+
+    pub fn shape(&self) -> Shape {
+        self.shape
+    }
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        let mut plan = self.inner.plan();
+        plan.reserved = plan.reserved.saturating_sub(self.bytes);
+        plan.in_flight = plan.in_flight.saturating_sub(1);
+    }
+}
+
+impl Budget {
+    /// A budget over `probe` with a calibrated or loaded `estimate`, and the `resident` bytes the
+    /// models took ([`GpuSnapshot::resident_since`]).
+    ///
+    /// # Errors
+    ///
+    /// A config value out of range.
+    pub fn new(
+        config: BudgetConfig,
+        probe: Arc<dyn GpuProbe>,
+        estimate: Estimate,
+        resident: u64,
+    ) -> Result<Self, ConfigError> {
+        config.validate()?;
+        let max_age = Duration::from_millis(config.snapshot_max_age_ms);
+        let plan = Plan { estimate, resident, reserved: 0, in_flight: 0 };
+        Ok(Self { inner: Arc::new(Inner { config, probe, max_age, cache: Mutex::new(None), plan: Mutex::new(plan) }) })
+    }
+
+    pub fn config(&self) -> &BudgetConfig {
+        &self.inner.config
+    }
+
+    /// Which of `classes` fit now, and how many jobs of each could start. Nothing fits above
+    /// `stop_fetch_at`.
+    ///
+    /// # Errors
+    ///
+    /// The card could not be read: on NVML, possibly a driver fault ([`ProbeError::nvml_error`]).
+    pub fn admit(&self, classes: &[MemoryClass]) -> Result<Admission, ProbeError> {
+        let snapshot = self.inner.snapshot()?;
+        let water = Water::at(snapshot.used_fraction(), &self.inner.config);
+        if water == Water::Stop {
+            return Ok(Admission { water, fits: Vec::new() });
+        }
+        let plan = self.inner.plan();
+        let available = self.inner.room(&snapshot, &plan).available;
+        let mut fits: Vec<(MemoryClass, u32)> = classes
+            .iter()
+            .filter_map(|&class| {
+                let need = self.inner.planned(&plan, self.class_shape(class));
+                let jobs = u32::try_from(available / need.max(1)).unwrap_or(u32::MAX);
+                (jobs > 0).then_some((class, jobs))
+            })
+            .collect();
+        fits.sort();
+        fits.dedup();
+        Ok(Admission { water, fits })
+    }
+
+    /// The largest sub-batch of a job's `images` that the room holds now: `images` if all fit,
+    /// 0 if not even one does.
+    ///
+    /// # Errors
+    ///
+    /// The card could not be read.
+    pub fn largest_batch(&self, width: u32, height: u32, images: u32) -> Result<u32, ProbeError> {
+        let snapshot = self.inner.snapshot()?;
+        let plan = self.inner.plan();
+        let available = self.inner.room(&snapshot, &plan).available;
+        Ok((1..=images)
+            .rev()
+            .find(|&batch| self.inner.planned(&plan, Shape::new(width, height, batch)) <= available)
+            .unwrap_or(0))
+    }
+
+    /// Reserves the planned need of a `batch` of `width x height` images, if the room holds it
+    /// now; checked and taken under one lock, so two starts cannot both take the last room.
+    ///
+    /// # Errors
+    ///
+    /// The card could not be read.
+    pub fn reserve(&self, width: u32, height: u32, batch: u32) -> Result<Option<Reservation>, ProbeError> {
+        let snapshot = self.inner.snapshot()?;
+        let shape = Shape::new(width, height, batch);
+        let mut plan = self.inner.plan();
+        let bytes = self.inner.planned(&plan, shape);
+        if bytes > self.inner.room(&snapshot, &plan).available {
+            return Ok(None);
+        }
+        plan.reserved += bytes;
+        plan.in_flight += 1;
+        Ok(Some(Reservation { inner: Arc::clone(&self.inner), shape, bytes }))
+    }
+
+    /// What a `batch` of `width x height` images is planned to take: the estimate plus `safety`.
+    pub fn planned(&self, width: u32, height: u32, batch: u32) -> u64 {
+        self.inner.planned(&self.inner.plan(), Shape::new(width, height, batch))
+    }
+
+    /// Learns from a finished render's peak (bytes it added at its highest, e.g. from
+    /// [`Budget::peak_window`]) and returns the estimate's error, `(observed - predicted) /
+    /// predicted`, for the estimate-error metric. Above `safety`, the plan was too small.
+    pub fn observe(&self, width: u32, height: u32, batch: u32, peak_bytes: u64) -> f64 {
+        let shape = Shape::new(width, height, batch);
+        let window = self.inner.config.learn_window;
+        let error = self.inner.plan().estimate.observe(Sample { shape, peak_bytes }, window);
+        if error > self.inner.config.safety {
+            warn!(width, height, batch, peak_bytes, error, "render peaked above its planned memory");
+        }
+        error
+    }
+
+    /// Learns from a render that ran out of memory: what was planned for it becomes the least its
+    /// shape needs, so the next attempt plans `safety` more. Returns the new plan, bytes.
+    pub fn observe_oom(&self, width: u32, height: u32, batch: u32) -> u64 {
+        let shape = Shape::new(width, height, batch);
+        let mut plan = self.inner.plan();
+        let planned = self.inner.planned(&plan, shape);
+        plan.estimate.raise_floor(shape, planned);
+        self.inner.planned(&plan, shape)
+    }
+
+    /// The card's water level now.
+    ///
+    /// # Errors
+    ///
+    /// The card could not be read.
+    pub fn water(&self) -> Result<Water, ProbeError> {
+        Ok(Water::at(self.inner.snapshot()?.used_fraction(), &self.inner.config))
+    }
+
+    /// Everything the budget knows, for metrics.
+    ///
+    /// # Errors
+    ///
+    /// The card could not be read.
+    pub fn status(&self) -> Result<BudgetStatus, ProbeError> {
+        let snapshot = self.inner.snapshot()?;
+        let plan = self.inner.plan();
+        let room = self.inner.room(&snapshot, &plan);
+        Ok(BudgetStatus {
+            others_used: snapshot.own_used.map(|own| snapshot.used.saturating_sub(own)),
+            resident: plan.resident,
+            budget: room.budget,
+            reserved: plan.reserved,
+            available: room.available,
+            in_flight: plan.in_flight,
+            water: Water::at(snapshot.used_fraction(), &self.inner.config),
+            device: snapshot.device,
+            total: snapshot.total,
+            used: snapshot.used,
+            free: snapshot.free,
+            utilization: snapshot.utilization,
+            temperature_c: snapshot.temperature_c,
+        })
+    }
+
+    /// Starts measuring a render's peak on this budget's card (one at a time per process).
+    ///
+    /// # Errors
+    ///
+    /// The card could not be read.
+    pub fn peak_window(&self) -> Result<PeakWindow<'_>, ProbeError> {
+        PeakWindow::start(&*self.inner.probe)
+    }
+
+    /// The estimate as learned so far, to store with [`FingerprintStore::save`].
+    pub fn estimate(&self) -> Estimate {
+        self.inner.plan().estimate.clone()
+    }
+
+    /// Replaces the resident size, after sessions were rebuilt.
+    pub fn set_resident(&self, bytes: u64) {
+        self.inner.plan().resident = bytes;
+    }
+
+    /// Makes the next query read the card, not the cached snapshot.
+    pub fn refresh(&self) {
+        *self.inner.cache.lock().unwrap_or_else(PoisonError::into_inner) = None;
+    }
+
+    /// The largest one-image shape of `class`: a square of its pixel bound.
+    fn class_shape(&self, class: MemoryClass) -> Shape {
+        let side = class.max_pixels().map_or(self.inner.config.xl_max_side, |pixels| pixels.isqrt() as u32);
+        Shape::new(side, side, 1)
+    }
+}
+
+/// The room before and after reservations.
+struct Room {
+    budget: u64,
+    available: u64,
+}
+
+impl Inner {
+    fn plan(&self) -> MutexGuard<'_, Plan> {
+        // Every update of the plan is a few arithmetic steps that cannot panic halfway.
+        self.plan.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn snapshot(&self) -> Result<GpuSnapshot, ProbeError> {
+        let mut cache = self.cache.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some((at, snapshot)) = cache.as_ref()
+            && at.elapsed() < self.max_age
+        {
+            return Ok(snapshot.clone());
+        }
+        let snapshot = self.probe.snapshot()?;
+        *cache = Some((Instant::now(), snapshot.clone()));
+        Ok(snapshot)
+    }
+
+    fn room(&self, snapshot: &GpuSnapshot, plan: &Plan) -> Room {
+        let config = &self.config;
+        let capped = (snapshot.total as f64 * config.max_fill) as u64;
+        let cap_room = capped.saturating_sub(plan.resident).saturating_sub(config.reserve_bytes());
+        // What we hold beyond the models is in-flight renders (already in `reserved`) and arena
+        // cache (ours to reuse): count it back as free, where the driver tells us what we hold.
+        let ours_beyond_models = snapshot.own_used.map_or(0, |own| own.saturating_sub(plan.resident));
+        let free_room = (snapshot.free + ours_beyond_models).saturating_sub(config.margin_bytes());
+        let budget = cap_room.min(free_room);
+        Room { budget, available: budget.saturating_sub(plan.reserved) }
+    }
+
+    fn planned(&self, plan: &Plan, shape: Shape) -> u64 {
+        (plan.estimate.need(shape) as f64 * (1.0 + self.config.safety)).ceil() as u64
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A card whose readings the test sets: exact numbers for the arithmetic.
+    struct Scripted(Mutex<GpuSnapshot>);
+
+    impl GpuProbe for Scripted {
+        fn snapshot(&self) -> Result<GpuSnapshot, ProbeError> {
+            Ok(self.0.lock().unwrap().clone())
+        }
+        fn start_peak(&self) -> Result<u64, ProbeError> {
+            Ok(0)
+        }
+        fn peak_since_start(&self) -> Result<u64, ProbeError> {
+            Ok(0)
+        }
+    }
+
+    const TOTAL: u64 = 4096 * MIB;
+    const RESIDENT: u64 = 1000 * MIB;
+
+    /// A 4 GiB card with 1000 MiB of models; `ours` beyond them, `others` by other processes.
+    fn card(ours: u64, others: u64, own_known: bool) -> GpuSnapshot {
+        let used = RESIDENT + ours + others;
+        GpuSnapshot {
+            device: "scripted".into(),
+            total: TOTAL,
+            used,
+            free: TOTAL - used,
+            own_used: own_known.then_some(RESIDENT + ours),
+            utilization: None,
+            temperature_c: None,
+        }
+    }
+
+    /// Needs of 300 MiB + 4 KiB per unit: one 1024x1024 image is 428 MiB, 470.8 planned.
+    fn estimate() -> Estimate {
+        let samples = [512, 1024].map(|side| {
+            let shape = Shape::new(side, side, 1);
+            Sample { shape, peak_bytes: 300 * MIB + 4096 * shape.units() as u64 }
+        });
+        Estimate::calibrate(&samples).unwrap()
+    }
+
+    fn budget(snapshot: GpuSnapshot) -> (Budget, Arc<Scripted>) {
+        let probe = Arc::new(Scripted(Mutex::new(snapshot)));
+        let config = BudgetConfig { snapshot_max_age_ms: 0, ..BudgetConfig::default() };
+        (Budget::new(config, probe.clone(), estimate(), RESIDENT).unwrap(), probe)
+    }
+
+    #[test]
+    fn room_is_the_lower_of_the_cap_and_what_others_leave_free() {
+        // Cap: 4096 x 0.9 - 1000 resident - 512 reserve = 2174.4 MiB; free: 3096 - 256 margin.
+        let (budget, probe) = budget(card(0, 0, true));
+        assert_eq!(budget.status().unwrap().budget, (TOTAL as f64 * 0.9) as u64 - RESIDENT - 512 * MIB);
+        // Another process takes 1500 MiB: free 1596 - 256 margin is now the bound.
+        *probe.0.lock().unwrap() = card(0, 1500 * MIB, true);
+        let status = budget.status().unwrap();
+        assert_eq!(status.budget, 1340 * MIB);
+        assert_eq!(status.others_used, Some(1500 * MIB));
+    }
+
+    #[test]
+    fn cached_arena_is_ours_only_where_the_driver_says_so() {
+        // 800 MiB of idle arena: reusable when NVML reports our own usage...
+        let (known, _) = budget(card(800 * MIB, 1500 * MIB, true));
+        assert_eq!(known.status().unwrap().budget, 1340 * MIB);
+        // ...and counted as someone else's when it cannot.
+        let (unknown, _) = budget(card(800 * MIB, 1500 * MIB, false));
+        assert_eq!(unknown.status().unwrap().budget, 540 * MIB);
+    }
+
+    #[test]
+    fn admission_counts_jobs_per_class_at_its_largest_size() {
+        // 1340 MiB of room; planned one-image needs: xs 365.2, s 409.2, m 470.8, l 646.8, xl 893.2 MiB.
+        let (budget, _) = budget(card(0, 1500 * MIB, true));
+        let admission = budget.admit(&MemoryClass::ALL).unwrap();
+        assert_eq!(admission.water, Water::More, "61% used");
+        let jobs: Vec<u32> = MemoryClass::ALL.iter().map(|&c| admission.jobs(c)).collect();
+        assert_eq!(jobs, [3, 3, 2, 2, 1]);
+        // Asked only for some classes, it answers only for those.
+        assert_eq!(
+            budget.admit(&[MemoryClass::Xl, MemoryClass::S]).unwrap().classes(),
+            [MemoryClass::S, MemoryClass::Xl]
+        );
+    }
+
+    #[test]
+    fn reservations_hold_room_until_dropped() {
+        let (budget, _) = budget(card(0, 1500 * MIB, true));
+        let planned = budget.planned(1024, 1024, 1);
+        assert_eq!(planned, (428.0 * MIB as f64 * 1.1).ceil() as u64);
+        let first = budget.reserve(1024, 1024, 1).unwrap().expect("room for one");
+        let second = budget.reserve(1024, 1024, 1).unwrap().expect("room for two");
+        assert!(budget.reserve(1024, 1024, 1).unwrap().is_none(), "1340 MiB holds two 470.8 MiB jobs");
+        let status = budget.status().unwrap();
+        assert_eq!((status.reserved, status.in_flight), (2 * planned, 2));
+        assert_eq!(status.available, 1340 * MIB - 2 * planned);
+        // Batches of n plan 1.1 x (300 + 128 n) MiB: none fits beside two jobs, three beside one.
+        assert_eq!(budget.largest_batch(1024, 1024, 4).unwrap(), 0);
+        drop(first);
+        assert_eq!(budget.largest_batch(1024, 1024, 4).unwrap(), 3);
+        drop(second);
+        assert_eq!(budget.largest_batch(1024, 1024, 4).unwrap(), 4);
+        assert_eq!(budget.largest_batch(1024, 1024, 1).unwrap(), 1);
+        assert_eq!(budget.status().unwrap().in_flight, 0);
+    }
+
+    #[test]
+    fn water_closes_admission_whatever_the_plan() {
+        let total = 16 * 1024 * MIB;
+        let filled = |fraction: f64| {
+            let used = (total as f64 * fraction) as u64;
+            GpuSnapshot { total, used, free: total - used, own_used: Some(RESIDENT), ..card(0, 0, true) }
+        };
+        let (budget, probe) = budget(filled(0.93));
+        assert!(budget.status().unwrap().available > budget.planned(512, 512, 1), "the plan alone would admit xs");
+        assert_eq!(budget.water().unwrap(), Water::Stop);
+        assert!(budget.admit(&MemoryClass::ALL).unwrap().fits.is_empty());
+        *probe.0.lock().unwrap() = filled(0.88);
+        assert_eq!(budget.water().unwrap(), Water::Lower);
+        assert!(!budget.admit(&MemoryClass::ALL).unwrap().fits.is_empty());
+        *probe.0.lock().unwrap() = filled(0.5);
+        assert_eq!(budget.admit(&MemoryClass::ALL).unwrap().water, Water::More);
+    }
+
+    #[test]
+    fn an_out_of_memory_raises_the_plan_by_the_safety_margin() {
+        let (budget, _) = budget(card(0, 0, true));
+        let before = budget.planned(1024, 1024, 2);
+        let after = budget.observe_oom(1024, 1024, 2);
+        assert_eq!(after, (before as f64 * 1.1).ceil() as u64);
+        assert!(budget.planned(1024, 1024, 3) >= after, "larger shapes inherit the floor");
+    }
+
+    #[test]
+    fn snapshots_are_cached_for_their_max_age() {
+        let probe = Arc::new(Scripted(Mutex::new(card(0, 0, true))));
+        let config = BudgetConfig { snapshot_max_age_ms: 60_000, ..BudgetConfig::default() };
+        let budget = Budget::new(config, probe.clone(), estimate(), RESIDENT).unwrap();
+        let first = budget.status().unwrap().budget;
+        *probe.0.lock().unwrap() = card(0, 1500 * MIB, true);
+        assert_eq!(budget.status().unwrap().budget, first);
+        budget.refresh();
+        assert_eq!(budget.status().unwrap().budget, 1340 * MIB);
+    }
+}

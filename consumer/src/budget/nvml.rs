@@ -1,0 +1,122 @@
+//! The real card, read through NVML.
+//!
+//! NVML is loaded at run time (`libnvidia-ml.so` ships with the driver), so this builds and links
+//! on machines without a GPU; opening it there fails with [`ProbeError::NvmlUnavailable`], never
+//! a silent simulation.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use nvml_wrapper::enum_wrappers::device::TemperatureSensor;
+use nvml_wrapper::enums::device::UsedGpuMemory;
+use nvml_wrapper::error::NvmlError;
+use nvml_wrapper::{Device, Nvml};
+
+use super::probe::{GpuProbe, GpuSnapshot, PeakSampler, ProbeError};
+
+/// Fine enough to catch a UNet step's activations; one NVML memory query costs microseconds.
+const SAMPLE_EVERY: Duration = Duration::from_millis(10);
+
+/// GPU `index` as NVML numbers them. NVML ignores `CUDA_VISIBLE_DEVICES`: the worker must give
+/// ONNX Runtime the same physical card (`--gpu N` with no remapping).
+pub struct NvmlProbe {
+    nvml: Arc<Nvml>,
+    index: u32,
+    name: String,
+    sampler: Mutex<Option<PeakSampler>>,
+}
+
+impl NvmlProbe {
+    /// # Errors
+    ///
+    /// [`ProbeError::NvmlUnavailable`] without a driver or library, [`ProbeError::NoDevice`]
+    /// for an index the machine does not have.
+    pub fn open(index: u32) -> Result<Self, ProbeError> {
+        let nvml = Nvml::init().map_err(|source| ProbeError::NvmlUnavailable { source })?;
+        let device = nvml.device_by_index(index).map_err(|source| ProbeError::NoDevice { index, source })?;
+        let name = device.name().map_err(|source| ProbeError::Nvml { call: "name", index, source })?;
+        Ok(Self { nvml: Arc::new(nvml), index, name, sampler: Mutex::new(None) })
+    }
+
+    fn lock_sampler(&self) -> std::sync::MutexGuard<'_, Option<PeakSampler>> {
+        // The guarded value is replaced whole, so a panic elsewhere cannot leave it half-written.
+        self.sampler.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+impl GpuProbe for NvmlProbe {
+    fn snapshot(&self) -> Result<GpuSnapshot, ProbeError> {
+        let index = self.index;
+        let err = |call| move |source| ProbeError::Nvml { call, index, source };
+        let device = self.nvml.device_by_index(index).map_err(err("device_by_index"))?;
+        let memory = device.memory_info().map_err(err("memory_info"))?;
+        let utilization = optional(device.utilization_rates()).map_err(err("utilization_rates"))?;
+        let temperature_c = optional(device.temperature(TemperatureSensor::Gpu)).map_err(err("temperature"))?;
+        let own_used = own_usage(&device).map_err(err("running_compute_processes"))?;
+        Ok(GpuSnapshot {
+            device: self.name.clone(),
+            total: memory.total,
+            used: memory.used,
+            free: memory.free,
+            own_used,
+            utilization: utilization.map(|u| f64::from(u.gpu) / 100.0),
+            temperature_c,
+        })
+    }
+
+    fn start_peak(&self) -> Result<u64, ProbeError> {
+        let mut sampler = self.lock_sampler();
+        if let Some(old) = sampler.take() {
+            old.finish();
+        }
+        // Decided once per window, so the start and the samples are of the same thing.
+        let (start, measure) = match read(&self.nvml, self.index, Measure::Process)? {
+            Some(own) => (own, Measure::Process),
+            None => (read(&self.nvml, self.index, Measure::Card)?.unwrap_or(0), Measure::Card),
+        };
+        let (nvml, index) = (Arc::clone(&self.nvml), self.index);
+        *sampler = Some(PeakSampler::start(SAMPLE_EVERY, start, move || read(&nvml, index, measure).ok().flatten()));
+        Ok(start)
+    }
+
+    fn peak_since_start(&self) -> Result<u64, ProbeError> {
+        self.lock_sampler().take().map(PeakSampler::finish).ok_or(ProbeError::PeakNotStarted)
+    }
+}
+
+/// What a peak is measured in: this process's memory where NVML reports it, else the card's.
+#[derive(Debug, Clone, Copy)]
+enum Measure {
+    Process,
+    Card,
+}
+
+fn read(nvml: &Nvml, index: u32, measure: Measure) -> Result<Option<u64>, ProbeError> {
+    let err = |call| move |source| ProbeError::Nvml { call, index, source };
+    let device = nvml.device_by_index(index).map_err(err("device_by_index"))?;
+    match measure {
+        Measure::Process => own_usage(&device).map_err(err("running_compute_processes")),
+        Measure::Card => Ok(Some(device.memory_info().map_err(err("memory_info"))?.used)),
+    }
+}
+
+/// This process's memory on the card, if NVML can tell (not inside a PID namespace it cannot
+/// see, not under WDDM).
+fn own_usage(device: &Device<'_>) -> Result<Option<u64>, NvmlError> {
+    let pid = std::process::id();
+    let processes = optional(device.running_compute_processes())?.unwrap_or_default();
+    Ok(processes.into_iter().find(|p| p.pid == pid).and_then(|p| match p.used_gpu_memory {
+        UsedGpuMemory::Used(bytes) => Some(bytes),
+        UsedGpuMemory::Unavailable => None,
+    }))
+}
+
+/// A query some cards do not answer (temperature on some boards, utilization under MIG) is
+/// absent, not an error; every other error, a lost GPU above all, still is one.
+fn optional<T>(result: Result<T, NvmlError>) -> Result<Option<T>, NvmlError> {
+    match result {
+        Ok(value) => Ok(Some(value)),
+        Err(NvmlError::NotSupported | NvmlError::NoPermission) => Ok(None),
+        Err(other) => Err(other),
+    }
+}

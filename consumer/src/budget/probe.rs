@@ -1,0 +1,203 @@
+//! What the budget asks of a GPU: a memory snapshot, and the peak usage of a render.
+//!
+//! Two implementations: [`NvmlProbe`](super::NvmlProbe) for real cards and
+//! [`SimulatedGpu`](super::SimulatedGpu), an explicit simulation for CPU runs and tests.
+
+use std::sync::mpsc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use nvml_wrapper::error::NvmlError;
+
+/// One reading of the card.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GpuSnapshot {
+    /// What the card calls itself (`NVIDIA H200`, `simulated (cpu)`); part of the fingerprint key.
+    pub device: String,
+    pub total: u64,
+    /// Used by every process on the card, this one included.
+    pub used: u64,
+    pub free: u64,
+    /// This process's own usage, where the driver reports it. NVML's per-process accounting
+    /// fails inside containers whose PIDs the driver does not see; the budget is then
+    /// conservative (see [`Budget`](super::Budget)).
+    pub own_used: Option<u64>,
+    /// Fraction of the last sample period a kernel ran, `0..=1`.
+    pub utilization: Option<f64>,
+    pub temperature_c: Option<u32>,
+}
+
+impl GpuSnapshot {
+    /// Used memory as a fraction of the card: what the water levels compare.
+    pub fn used_fraction(&self) -> f64 {
+        if self.total == 0 { 1.0 } else { self.used as f64 / self.total as f64 }
+    }
+
+    /// The memory this process holds now that it did not hold at `before`: take `before` ahead of
+    /// loading the models and call this on a snapshot taken after, to get the resident size.
+    /// Own usage is exact where the driver reports it (CUDA context included); otherwise the
+    /// card's growth between the two snapshots stands in for it.
+    pub fn resident_since(&self, before: &GpuSnapshot) -> u64 {
+        self.own_used.unwrap_or_else(|| self.used.saturating_sub(before.used))
+    }
+}
+
+/// A GPU the budget can read. Shared between the async loop and the render thread.
+pub trait GpuProbe: Send + Sync {
+    /// Reads the card now.
+    ///
+    /// # Errors
+    ///
+    /// The driver's own error, unaltered: a lost GPU must reach the worker as what it is.
+    fn snapshot(&self) -> Result<GpuSnapshot, ProbeError>;
+
+    /// Starts a peak measurement and returns the usage it starts from. The measurement is of
+    /// this process where the probe can tell it apart (else of the card), and is process-wide:
+    /// one at a time, around one render.
+    ///
+    /// # Errors
+    ///
+    /// The usage could not be read.
+    fn start_peak(&self) -> Result<u64, ProbeError>;
+
+    /// The highest usage since [`start_peak`](Self::start_peak), in the same terms as its
+    /// return value; ends the measurement.
+    ///
+    /// # Errors
+    ///
+    /// [`ProbeError::PeakNotStarted`] without a `start_peak`, or the usage could not be read.
+    fn peak_since_start(&self) -> Result<u64, ProbeError>;
+}
+
+/// A GPU could not be read.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ProbeError {
+    /// No NVML on this machine (no driver, no library, no permission).
+    #[error(
+        "NVML unavailable: {source}; use `device = \"cpu\"` with an explicit `[budget.simulate]` section for CPU runs"
+    )]
+    NvmlUnavailable {
+        #[source]
+        source: NvmlError,
+    },
+
+    #[error("NVML has no GPU {index}: {source}")]
+    NoDevice {
+        index: u32,
+        #[source]
+        source: NvmlError,
+    },
+
+    /// A query on an opened GPU failed: `GpuLost`, `ResetRequired` and `Unknown` here are driver
+    /// faults for the worker to act on.
+    #[error("NVML {call} on GPU {index}: {source}")]
+    Nvml {
+        call: &'static str,
+        index: u32,
+        #[source]
+        source: NvmlError,
+    },
+
+    /// The simulation could not read this process's memory.
+    #[error("{path}: {detail}")]
+    Proc { path: &'static str, detail: String },
+
+    #[error("peak_since_start called without start_peak")]
+    PeakNotStarted,
+
+    /// A CPU run has no card to read; the simulation must be asked for, never implied.
+    #[error("`device = \"cpu\"` needs a `[budget.simulate]` section, e.g. `simulate = {{ total_mib = 4096 }}`")]
+    SimulationRequired,
+
+    /// A simulation on a GPU run would plan against a card that is not there.
+    #[error("`[budget.simulate]` is for CPU runs; remove it to budget GPU {index} through NVML")]
+    SimulationOnGpu { index: u32 },
+}
+
+impl ProbeError {
+    /// What NVML said, for the worker to classify driver faults (`GpuLost`, `ResetRequired`,
+    /// `Unknown`) without parsing text.
+    pub fn nvml_error(&self) -> Option<&NvmlError> {
+        match self {
+            Self::NvmlUnavailable { source } | Self::NoDevice { source, .. } | Self::Nvml { source, .. } => {
+                Some(source)
+            }
+            Self::Proc { .. } | Self::PeakNotStarted | Self::SimulationRequired | Self::SimulationOnGpu { .. } => None,
+        }
+    }
+}
+
+/// The peak usage of one render, measured through a probe.
+///
+/// ```ignore
+/// let window = PeakWindow::start(&*probe)?;
+/// let images = pipeline.render(&request)?;
+/// let peak = window.finish()?; // bytes the render added at its highest
+/// ```
+///
+/// On a real card, measure with ONNX Runtime's arena shrunk (or each shape larger than the last):
+/// memory an arena already holds is reused without showing up as growth.
+#[must_use = "a peak window measures nothing until finished"]
+pub struct PeakWindow<'a> {
+    probe: &'a dyn GpuProbe,
+    start: u64,
+}
+
+impl<'a> PeakWindow<'a> {
+    /// # Errors
+    ///
+    /// The probe could not read the usage.
+    pub fn start(probe: &'a dyn GpuProbe) -> Result<Self, ProbeError> {
+        Ok(Self { start: probe.start_peak()?, probe })
+    }
+
+    /// The most the usage rose above where it started, bytes.
+    ///
+    /// # Errors
+    ///
+    /// The probe could not read the usage.
+    pub fn finish(self) -> Result<u64, ProbeError> {
+        Ok(self.probe.peak_since_start()?.saturating_sub(self.start))
+    }
+}
+
+/// A thread that samples a usage every `interval` and keeps the highest, for probes whose
+/// source has no high-water mark of its own (NVML).
+pub(crate) struct PeakSampler {
+    stop: mpsc::Sender<()>,
+    handle: JoinHandle<u64>,
+}
+
+impl PeakSampler {
+    /// Starts sampling; `first` is the usage at the start, so a render shorter than one
+    /// interval still reports at least that. Samples that fail are skipped: the render itself
+    /// reports a failing device.
+    pub(crate) fn start<F>(interval: Duration, first: u64, mut sample: F) -> Self
+    where
+        F: FnMut() -> Option<u64> + Send + 'static,
+    {
+        let (stop, stopped) = mpsc::channel::<()>();
+        let handle = std::thread::Builder::new()
+            .name("budget-peak".into())
+            .spawn(move || {
+                let mut peak = first;
+                // A closed channel (the sender dropped) ends sampling as a stop does.
+                while let Err(mpsc::RecvTimeoutError::Timeout) = stopped.recv_timeout(interval) {
+                    peak = peak.max(sample().unwrap_or(0));
+                }
+                // One last sample, so the end of the render is counted.
+                peak.max(sample().unwrap_or(0))
+            })
+            .expect("spawning a thread fails only when the process is out of resources");
+        Self { stop, handle }
+    }
+
+    /// Stops sampling and returns the highest usage seen.
+    pub(crate) fn finish(self) -> u64 {
+        // A send fails only if the thread already ended, which it does not on its own.
+        let _ = self.stop.send(());
+        // A panic in the sampler is a bug in a probe: let it surface where the peak is used.
+        self.handle.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+    }
+}
