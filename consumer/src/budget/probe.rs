@@ -201,3 +201,25 @@ impl PeakSampler {
         self.handle.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    use super::*;
+
+    #[test]
+    fn the_sampler_keeps_the_highest_sample() {
+        let usage = Arc::new(AtomicU64::new(100));
+        let read = Arc::clone(&usage);
+        let sampler = PeakSampler::start(Duration::from_millis(1), 50, move || Some(read.load(Ordering::Relaxed)));
+        std::thread::sleep(Duration::from_millis(30));
+        usage.store(10, Ordering::Relaxed);
+        std::thread::sleep(Duration::from_millis(30));
+        assert_eq!(sampler.finish(), 100);
+        // A window shorter than one interval still reports its start and its end.
+        let quick = PeakSampler::start(Duration::from_secs(60), 50, || Some(70));
+        assert_eq!(quick.finish(), 70);
+    }
+}
