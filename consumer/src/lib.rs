@@ -1,3 +1,4 @@
 //! The shotfleet worker.
 pub mod budget;
 pub mod pipeline;
+pub mod store;
