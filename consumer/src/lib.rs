@@ -2,3 +2,4 @@
 pub mod budget;
 pub mod pipeline;
 pub mod store;
+pub mod telemetry;

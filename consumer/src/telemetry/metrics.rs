@@ -1,0 +1,195 @@
+//! Metric names, the recorder, and the typed helpers the worker records through.
+//!
+//! Names live only here; the worker calls the helpers, so a dashboard and the code cannot drift
+//! apart one call site at a time. See the table in the [module docs](super).
+
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use metrics::{Unit, counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram};
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+use shotfleet_schema::{Priority, SubjectClass};
+
+use super::TelemetryError;
+
+pub const JOBS_TOTAL: &str = "shotfleet_jobs_total";
+pub const QUEUE_WAIT_SECONDS: &str = "shotfleet_queue_wait_seconds";
+pub const RENDER_SECONDS: &str = "shotfleet_render_seconds";
+pub const UPLOAD_SECONDS: &str = "shotfleet_upload_seconds";
+pub const BUDGET_FREE_BYTES: &str = "shotfleet_budget_free_bytes";
+pub const BUDGET_USED_BYTES: &str = "shotfleet_budget_used_bytes";
+pub const GPU_MEMORY_USED_BYTES: &str = "shotfleet_gpu_memory_used_bytes";
+pub const GPU_MEMORY_TOTAL_BYTES: &str = "shotfleet_gpu_memory_total_bytes";
+pub const GPU_UTILIZATION_RATIO: &str = "shotfleet_gpu_utilization_ratio";
+pub const ESTIMATE_ERROR_RATIO: &str = "shotfleet_estimate_error_ratio";
+pub const IN_FLIGHT_JOBS: &str = "shotfleet_in_flight_jobs";
+
+/// Seconds a job waited in the stream; backfill (`p2`) can wait hours under load.
+const QUEUE_WAIT_BUCKETS: &[f64] =
+    &[0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 900.0, 1800.0, 3600.0, 7200.0];
+/// Seconds of one render: a 1024x1024 SDXL job on a large card takes a few seconds, a batch on a
+/// small card minutes.
+const RENDER_BUCKETS: &[f64] = &[0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 8.0, 12.0, 20.0, 30.0, 45.0, 60.0, 90.0, 120.0, 300.0];
+/// Seconds to upload one job's images, retries included.
+const UPLOAD_BUCKETS: &[f64] = &[0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0];
+/// (observed - estimated) / estimated peak memory: positive means the estimate was too low.
+const ESTIMATE_ERROR_BUCKETS: &[f64] = &[-0.5, -0.25, -0.1, -0.05, 0.0, 0.05, 0.1, 0.25, 0.5, 1.0];
+
+/// How a job left this worker; the `outcome` label of `shotfleet_jobs_total`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum JobOutcome {
+    /// Rendered at full quality, result published, acked.
+    Done,
+    /// Rendered below the requested quality (a degraded job), result published, acked.
+    Degraded,
+    /// Sent to the failed stream (invalid, out of memory below the floor, retries exhausted, driver).
+    Failed,
+    /// Handed back for another worker or a later try (transient failure, first out-of-memory, shutdown).
+    Nak,
+    /// Re-published to its class subject without rendering (class `auto` or a mismatched class).
+    Routed,
+    /// Re-published one rung down the degrade ladder.
+    DegradeRepublished,
+    /// A result already existed (a redelivery after another worker committed); acked, not rendered.
+    DuplicateSkip,
+}
+
+impl JobOutcome {
+    pub const ALL: [JobOutcome; 7] = [
+        Self::Done,
+        Self::Degraded,
+        Self::Failed,
+        Self::Nak,
+        Self::Routed,
+        Self::DegradeRepublished,
+        Self::DuplicateSkip,
+    ];
+
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Self::Done => "done",
+            Self::Degraded => "degraded",
+            Self::Failed => "failed",
+            Self::Nak => "nak",
+            Self::Routed => "routed",
+            Self::DegradeRepublished => "degrade_republished",
+            Self::DuplicateSkip => "duplicate_skip",
+        }
+    }
+}
+
+/// The recorder this process installed, or why it could not.
+static INSTALLED: OnceLock<Result<PrometheusHandle, String>> = OnceLock::new();
+
+/// Installs the Prometheus recorder as the process's global recorder and returns its handle.
+/// Idempotent: later calls return the same handle (a process holds one global recorder, and the
+/// tests of one binary share a process).
+///
+/// # Errors
+///
+/// [`TelemetryError::Install`] when another recorder was installed first.
+pub fn install() -> Result<PrometheusHandle, TelemetryError> {
+    INSTALLED
+        .get_or_init(|| {
+            let handle = builder().and_then(|b| b.install_recorder()).map_err(|e| e.to_string())?;
+            describe();
+            Ok(handle)
+        })
+        .clone()
+        .map_err(TelemetryError::Install)
+}
+
+fn builder() -> Result<PrometheusBuilder, metrics_exporter_prometheus::BuildError> {
+    let buckets = [
+        (QUEUE_WAIT_SECONDS, QUEUE_WAIT_BUCKETS),
+        (RENDER_SECONDS, RENDER_BUCKETS),
+        (UPLOAD_SECONDS, UPLOAD_BUCKETS),
+        (ESTIMATE_ERROR_RATIO, ESTIMATE_ERROR_BUCKETS),
+    ];
+    buckets.into_iter().try_fold(PrometheusBuilder::new(), |builder, (name, bounds)| {
+        builder.set_buckets_for_metric(Matcher::Full(name.to_owned()), bounds)
+    })
+}
+
+/// HELP lines for `/metrics`.
+fn describe() {
+    describe_counter!(JOBS_TOTAL, Unit::Count, "Jobs that left this worker, by outcome, priority and class.");
+    describe_histogram!(QUEUE_WAIT_SECONDS, Unit::Seconds, "Time from publish to fetch, by priority.");
+    describe_histogram!(RENDER_SECONDS, Unit::Seconds, "Time to render one job's images, by class.");
+    describe_histogram!(UPLOAD_SECONDS, Unit::Seconds, "Time to upload one job's images, retries included.");
+    describe_gauge!(BUDGET_FREE_BYTES, Unit::Bytes, "GPU memory budget not yet promised to jobs.");
+    describe_gauge!(BUDGET_USED_BYTES, Unit::Bytes, "GPU memory budget promised to running jobs.");
+    describe_gauge!(GPU_MEMORY_USED_BYTES, Unit::Bytes, "GPU memory in use on the card (NVML), every process.");
+    describe_gauge!(GPU_MEMORY_TOTAL_BYTES, Unit::Bytes, "GPU memory on the card (NVML).");
+    describe_gauge!(GPU_UTILIZATION_RATIO, "GPU busy fraction over NVML's last sample period, 0 to 1.");
+    describe_histogram!(
+        ESTIMATE_ERROR_RATIO,
+        "(observed - estimated) / estimated peak memory per job; above 0 the estimate was too low."
+    );
+    describe_gauge!(IN_FLIGHT_JOBS, Unit::Count, "Jobs fetched and not yet acked, naked or terminated.");
+}
+
+/// Counts one job leaving the worker.
+pub fn job_finished(outcome: JobOutcome, priority: Priority, class: SubjectClass) {
+    counter!(JOBS_TOTAL, "outcome" => outcome.as_str(), "priority" => priority.as_str(), "class" => class.as_str())
+        .increment(1);
+}
+
+/// Records how long a job waited in the stream before this worker fetched it.
+pub fn queue_wait(priority: Priority, wait: Duration) {
+    histogram!(QUEUE_WAIT_SECONDS, "priority" => priority.as_str()).record(wait.as_secs_f64());
+}
+
+/// Records one job's render time.
+pub fn render_time(class: SubjectClass, took: Duration) {
+    histogram!(RENDER_SECONDS, "class" => class.as_str()).record(took.as_secs_f64());
+}
+
+/// Records one job's upload time.
+pub fn upload_time(took: Duration) {
+    histogram!(UPLOAD_SECONDS).record(took.as_secs_f64());
+}
+
+/// Sets the budget gauges.
+pub fn budget(free_bytes: u64, used_bytes: u64) {
+    gauge!(BUDGET_FREE_BYTES).set(free_bytes as f64);
+    gauge!(BUDGET_USED_BYTES).set(used_bytes as f64);
+}
+
+/// Sets the card's memory gauges from an NVML sample.
+pub fn gpu_memory(used_bytes: u64, total_bytes: u64) {
+    gauge!(GPU_MEMORY_USED_BYTES).set(used_bytes as f64);
+    gauge!(GPU_MEMORY_TOTAL_BYTES).set(total_bytes as f64);
+}
+
+/// Sets the utilisation gauge; `ratio` is clamped to 0..=1 (NVML reports percent: divide by 100).
+pub fn gpu_utilization(ratio: f64) {
+    gauge!(GPU_UTILIZATION_RATIO).set(ratio.clamp(0.0, 1.0));
+}
+
+/// Records how far a job's memory estimate was from its observed peak. Ignored without an estimate.
+pub fn estimate_error(estimated_bytes: u64, observed_bytes: u64) {
+    if estimated_bytes > 0 {
+        let ratio = (observed_bytes as f64 - estimated_bytes as f64) / estimated_bytes as f64;
+        histogram!(ESTIMATE_ERROR_RATIO).record(ratio);
+    }
+}
+
+/// Counts a job in flight until the guard drops, so every exit path (ack, nak, panic unwinding)
+/// brings the gauge back down.
+#[must_use = "the job counts as in flight only while the guard lives"]
+pub fn in_flight() -> InFlight {
+    gauge!(IN_FLIGHT_JOBS).increment(1.0);
+    InFlight(())
+}
+
+/// See [`in_flight`].
+#[derive(Debug)]
+pub struct InFlight(());
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        gauge!(IN_FLIGHT_JOBS).decrement(1.0);
+    }
+}

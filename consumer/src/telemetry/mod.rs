@@ -1,0 +1,83 @@
+//! Metrics and health on one HTTP port.
+//!
+//! - `metrics.rs`: the metric names, the Prometheus recorder ([`install`]), and the typed helpers
+//!   the worker records through ([`job_finished`], [`queue_wait`], ...).
+//! - `health.rs`: [`Health`], the readiness the worker declares.
+//! - `server.rs`: [`serve`], the axum server for `/metrics`, `/healthz` and `/readyz`.
+//!
+//! # Endpoints
+//!
+//! | path | answer |
+//! | --- | --- |
+//! | `/metrics` | Prometheus text format |
+//! | `/healthz` | 200 while the process runs (liveness: restart the pod when it stops answering) |
+//! | `/readyz` | 200 once models are loaded and a probe render passed; 503 with the reason before that, while the worker has stopped fetching, and while draining on shutdown |
+//!
+//! # Metrics
+//!
+//! One process serves one GPU, so the scrape target (`instance`) identifies the card; no metric
+//! carries a GPU label.
+//!
+//! | name | type | labels | meaning |
+//! | --- | --- | --- | --- |
+//! | `shotfleet_jobs_total` | counter | `outcome`, `priority`, `class` | jobs that left this worker. `outcome`: `done`, `degraded` (rendered below the requested quality), `failed` (to the failed stream), `nak` (handed back), `routed` (re-published to its class subject unrendered), `degrade_republished` (re-published one rung down), `duplicate_skip` (a result already existed). `priority`: `p0`..`p2`. `class`: `xs`..`xl`, or `auto` |
+//! | `shotfleet_queue_wait_seconds` | histogram | `priority` | publish to fetch; a growing `p2` tail with flat `p0` is the priority policy at work, a growing `p0` tail means too few workers |
+//! | `shotfleet_render_seconds` | histogram | `class` | one job's render, all its images |
+//! | `shotfleet_upload_seconds` | histogram | | one job's upload, store retries included |
+//! | `shotfleet_budget_free_bytes` | gauge | | GPU memory budget not yet promised to jobs |
+//! | `shotfleet_budget_used_bytes` | gauge | | budget promised to running jobs |
+//! | `shotfleet_gpu_memory_used_bytes` | gauge | | memory in use on the card (NVML), other processes included |
+//! | `shotfleet_gpu_memory_total_bytes` | gauge | | memory on the card |
+//! | `shotfleet_gpu_utilization_ratio` | gauge | | busy fraction, 0..1 |
+//! | `shotfleet_estimate_error_ratio` | histogram | | (observed - estimated) / estimated peak memory per job; mass above 0 means the estimate runs low and out-of-memory naks follow |
+//! | `shotfleet_in_flight_jobs` | gauge | | jobs fetched and not yet settled |
+//!
+//! Useful queries: `sum by (outcome) (rate(shotfleet_jobs_total[5m]))`;
+//! `histogram_quantile(0.95, sum by (le, priority) (rate(shotfleet_queue_wait_seconds_bucket[5m])))`;
+//! `shotfleet_gpu_memory_used_bytes / shotfleet_gpu_memory_total_bytes` against the 85% / 92% water levels.
+
+mod health;
+mod metrics;
+mod server;
+
+use std::net::SocketAddr;
+
+use serde::Deserialize;
+
+pub use self::health::Health;
+pub use self::metrics::{
+    BUDGET_FREE_BYTES, BUDGET_USED_BYTES, ESTIMATE_ERROR_RATIO, GPU_MEMORY_TOTAL_BYTES, GPU_MEMORY_USED_BYTES,
+    GPU_UTILIZATION_RATIO, IN_FLIGHT_JOBS, InFlight, JOBS_TOTAL, JobOutcome, QUEUE_WAIT_SECONDS, RENDER_SECONDS,
+    UPLOAD_SECONDS, budget, estimate_error, gpu_memory, gpu_utilization, in_flight, install, job_finished, queue_wait,
+    render_time, upload_time,
+};
+pub use self::server::{TelemetryServer, serve};
+
+/// `[telemetry]` settings.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TelemetryConfig {
+    /// Address of the metrics and health port. One process per GPU: give each its own port.
+    pub listen: SocketAddr,
+}
+
+impl Default for TelemetryConfig {
+    fn default() -> Self {
+        Self { listen: SocketAddr::from(([0, 0, 0, 0], 9400)) }
+    }
+}
+
+/// A telemetry failure. None is worth retrying: each needs a different address or a fixed binary.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum TelemetryError {
+    /// Another metrics recorder was installed in this process first.
+    #[error("cannot install the Prometheus recorder: {0}")]
+    Install(String),
+    /// The address is in use or not local.
+    #[error("cannot listen on {addr} for metrics and health: {source}")]
+    Bind { addr: SocketAddr, source: std::io::Error },
+    /// Accepting connections failed after start.
+    #[error("metrics and health server failed: {0}")]
+    Serve(std::io::Error),
+}
