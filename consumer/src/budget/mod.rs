@@ -325,7 +325,7 @@ impl Budget {
 
     /// Makes the next query read the card, not the cached snapshot.
     pub fn refresh(&self) {
-        *self.inner.cache.lock().unwrap_or_else(PoisonError::into_inner) = None;
+        *lock(&self.inner.cache) = None;
     }
 
     /// The largest one-image shape of `class`: a square of its pixel bound.
@@ -333,6 +333,13 @@ impl Budget {
         let side = class.max_pixels().map_or(self.inner.config.xl_max_side, |pixels| pixels.isqrt() as u32);
         Shape::new(side, side, 1)
     }
+}
+
+/// Locks one of the budget's mutexes. Every value under them is replaced or updated in a few
+/// steps that cannot panic halfway, so a lock poisoned by a panic elsewhere still guards a
+/// consistent value, and the worker keeps its budget.
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 /// The room before and after reservations.
@@ -343,12 +350,11 @@ struct Room {
 
 impl Inner {
     fn plan(&self) -> MutexGuard<'_, Plan> {
-        // Every update of the plan is a few arithmetic steps that cannot panic halfway.
-        self.plan.lock().unwrap_or_else(PoisonError::into_inner)
+        lock(&self.plan)
     }
 
     fn snapshot(&self) -> Result<GpuSnapshot, ProbeError> {
-        let mut cache = self.cache.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut cache = lock(&self.cache);
         if let Some((at, snapshot)) = cache.as_ref()
             && at.elapsed() < self.max_age
         {

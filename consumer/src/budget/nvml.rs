@@ -12,6 +12,7 @@ use nvml_wrapper::enums::device::UsedGpuMemory;
 use nvml_wrapper::error::NvmlError;
 use nvml_wrapper::{Device, Nvml};
 
+use super::lock;
 use super::probe::{GpuProbe, GpuSnapshot, PeakSampler, ProbeError};
 
 /// Fine enough to catch a UNet step's activations; one NVML memory query costs microseconds.
@@ -37,11 +38,6 @@ impl NvmlProbe {
         let name = device.name().map_err(|source| ProbeError::Nvml { call: "name", index, source })?;
         Ok(Self { nvml: Arc::new(nvml), index, name, sampler: Mutex::new(None) })
     }
-
-    fn lock_sampler(&self) -> std::sync::MutexGuard<'_, Option<PeakSampler>> {
-        // The guarded value is replaced whole, so a panic elsewhere cannot leave it half-written.
-        self.sampler.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
-    }
 }
 
 impl GpuProbe for NvmlProbe {
@@ -65,7 +61,7 @@ impl GpuProbe for NvmlProbe {
     }
 
     fn start_peak(&self) -> Result<u64, ProbeError> {
-        let mut sampler = self.lock_sampler();
+        let mut sampler = lock(&self.sampler);
         if let Some(old) = sampler.take() {
             old.finish();
         }
@@ -80,7 +76,7 @@ impl GpuProbe for NvmlProbe {
     }
 
     fn peak_since_start(&self) -> Result<u64, ProbeError> {
-        self.lock_sampler().take().map(PeakSampler::finish).ok_or(ProbeError::PeakNotStarted)
+        lock(&self.sampler).take().map(PeakSampler::finish).ok_or(ProbeError::PeakNotStarted)
     }
 }
 

@@ -10,6 +10,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use super::config::{MIB, SimulateConfig};
+use super::lock;
 use super::probe::{GpuProbe, GpuSnapshot, PeakSampler, ProbeError};
 
 const STATUS: &str = "/proc/self/status";
@@ -42,13 +43,12 @@ impl SimulatedGpu {
     ///
     /// [`ProbeError::Proc`] where this process's memory cannot be read (not Linux).
     pub fn new(config: &SimulateConfig) -> Result<Self, ProbeError> {
-        let gpu = Self {
+        resident_bytes()?;
+        Ok(Self {
             total: config.total_mib * MIB,
             others_used: AtomicU64::new(config.others_used_mib * MIB),
             peak: Mutex::new(None),
-        };
-        resident_bytes()?;
-        Ok(gpu)
+        })
     }
 
     /// Pretends other processes now hold `bytes` of the card.
@@ -58,11 +58,6 @@ impl SimulatedGpu {
 
     pub fn others_used(&self) -> u64 {
         self.others_used.load(Ordering::Relaxed)
-    }
-
-    fn lock_peak(&self) -> std::sync::MutexGuard<'_, Option<Peak>> {
-        // The guarded value is replaced whole, so a panic elsewhere cannot leave it half-written.
-        self.peak.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 }
 
@@ -82,7 +77,7 @@ impl GpuProbe for SimulatedGpu {
     }
 
     fn start_peak(&self) -> Result<u64, ProbeError> {
-        let mut peak = self.lock_peak();
+        let mut peak = lock(&self.peak);
         if let Some(Peak::Sampled(old)) = peak.take() {
             old.finish();
         }
@@ -100,7 +95,7 @@ impl GpuProbe for SimulatedGpu {
     }
 
     fn peak_since_start(&self) -> Result<u64, ProbeError> {
-        match self.lock_peak().take() {
+        match lock(&self.peak).take() {
             None => Err(ProbeError::PeakNotStarted),
             Some(Peak::HighWaterMark) => status_bytes("VmHWM"),
             Some(Peak::Sampled(sampler)) => Ok(sampler.finish()),
