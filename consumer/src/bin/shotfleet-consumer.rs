@@ -1,0 +1,117 @@
+//! `shotfleet-consumer`: one worker process per GPU.
+//!
+//! Parses flags, sets up logging, resolves the config (file, environment, flags) and runs the
+//! worker until SIGTERM or SIGINT. Exit codes: 0 after a clean stop; 2 bad configuration;
+//! 3 a start-up step failed (NATS, store, models, calibration).
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::Parser;
+use shotfleet_consumer::config::{Overrides, WorkerConfig};
+
+#[derive(Parser)]
+#[command(name = "shotfleet-consumer", version, about = "A shotfleet GPU worker")]
+struct Cli {
+    /// TOML config file; the environment and flags override it.
+    #[arg(long, env = "SHOTFLEET_CONFIG")]
+    config: Option<PathBuf>,
+    /// NATS server URL(s) (NATS_URL).
+    #[arg(long)]
+    server: Option<String>,
+    /// NATS credentials file (NATS_CREDS).
+    #[arg(long)]
+    creds: Option<PathBuf>,
+    #[arg(long)]
+    user: Option<String>,
+    #[arg(long, hide = true)]
+    password: Option<String>,
+    /// PEM file of CA certificates for TLS (NATS_CA).
+    #[arg(long)]
+    tls_ca: Option<PathBuf>,
+    /// Model folder, Optimum SDXL ONNX layout (SHOTFLEET_MODEL).
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// Object store: file:///path or s3://bucket/prefix (SHOTFLEET_STORE).
+    #[arg(long)]
+    store: Option<String>,
+    /// cpu or cuda (SHOTFLEET_DEVICE).
+    #[arg(long)]
+    device: Option<String>,
+    /// GPU index (SHOTFLEET_GPU).
+    #[arg(long)]
+    gpu: Option<u32>,
+    /// Memory classes served, comma separated (xs,s,m,l,xl).
+    #[arg(long)]
+    classes: Option<String>,
+    /// Metrics and health address (SHOTFLEET_METRICS_ADDR), e.g. 0.0.0.0:9400.
+    #[arg(long)]
+    metrics_addr: Option<String>,
+    /// How long in-flight jobs may finish after SIGTERM, e.g. 60s.
+    #[arg(long)]
+    grace_period: Option<String>,
+    /// This worker's name in results and logs (SHOTFLEET_WORKER_ID).
+    #[arg(long)]
+    worker_id: Option<String>,
+    /// Where calibration fingerprints are kept (SHOTFLEET_STATE_DIR).
+    #[arg(long)]
+    state_dir: Option<PathBuf>,
+    /// Human-readable logs instead of JSON.
+    #[arg(long)]
+    plain_logs: bool,
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info,ort=warn".into());
+    if cli.plain_logs {
+        tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
+    } else {
+        tracing_subscriber::fmt().json().with_env_filter(filter).with_writer(std::io::stderr).init();
+    }
+    let env: HashMap<String, String> = std::env::vars().collect();
+    let overrides = Overrides {
+        server: cli.server,
+        creds: cli.creds,
+        user: cli.user,
+        password: cli.password,
+        tls_ca: cli.tls_ca,
+        model: cli.model,
+        store: cli.store,
+        device: cli.device,
+        gpu: cli.gpu,
+        classes: cli.classes,
+        metrics_addr: cli.metrics_addr,
+        grace_period: cli.grace_period,
+        worker_id: cli.worker_id,
+        state_dir: cli.state_dir,
+    };
+    let config = match WorkerConfig::resolve(cli.config.as_deref(), &env, overrides) {
+        Ok(config) => config,
+        Err(e) => {
+            eprintln!("shotfleet-consumer: configuration: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    match shotfleet_consumer::run(config, env.into_iter().collect(), shutdown_signal()).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            tracing::error!(error = %e, "worker stopped");
+            eprintln!("shotfleet-consumer: {e}");
+            ExitCode::from(3)
+        }
+    }
+}
+
+/// Resolves on the first SIGTERM or SIGINT.
+async fn shutdown_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate()).expect("install SIGTERM handler");
+    let mut int = signal(SignalKind::interrupt()).expect("install SIGINT handler");
+    tokio::select! {
+        _ = term.recv() => tracing::info!("SIGTERM: shutting down"),
+        _ = int.recv() => tracing::info!("SIGINT: shutting down"),
+    }
+}

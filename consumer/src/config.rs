@@ -1,0 +1,363 @@
+//! The worker's configuration: a TOML file, then the environment, then flags.
+//!
+//! Everything is validated once at start, with the environment passed in (tests supply their
+//! own), and every error names the setting and what would fix it. Secrets (NATS password, S3
+//! keys) come from the environment or files and are never logged.
+//!
+//! ```toml
+//! worker_id = "render-07/gpu0"     # default: <hostname>/<device><gpu>
+//! device = "cuda"                  # or "cpu"   (SHOTFLEET_DEVICE)
+//! gpu = 0                          # --gpu
+//! model = "/models/sdxl-onnx"      # SHOTFLEET_MODEL
+//! classes = ["xs", "s", "m"]       # the classes this card serves at most
+//! concurrency = 1                  # jobs rendered at once
+//! grace_period = "60s"
+//! job_time_limit = "10m"
+//!
+//! [nats]      server = "nats://nats:4222", creds = "/etc/shotfleet/worker.creds"
+//! [store]     url = "s3://renders/shotfleet", endpoint = "http://minio:9000"
+//! [budget]    max_fill = 0.9, reserve_mib = 512
+//! [telemetry] listen = "0.0.0.0:9400"
+//! [priorities] p1_max_wait = "20s", p2_max_wait = "60s"
+//! ```
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use shotfleet_schema::nats::NatsOptions;
+use shotfleet_schema::nats::topology::parse_duration;
+use shotfleet_schema::{Limits, MemoryClass, Priority};
+
+use crate::budget::BudgetConfig;
+use crate::faults::FaultConfig;
+use crate::store::StoreConfig;
+use crate::telemetry::TelemetryConfig;
+
+/// Where the graphs run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum DeviceKind {
+    #[default]
+    Cpu,
+    Cuda,
+}
+
+/// A duration written like `90s`, `10m`, `2h`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Span(pub Duration);
+
+impl Serialize for Span {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&format!("{}ms", self.0.as_millis()))
+    }
+}
+
+impl<'de> Deserialize<'de> for Span {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let text = String::deserialize(d)?;
+        parse_span(&text).map(Span).map_err(serde::de::Error::custom)
+    }
+}
+
+/// `250ms` as well as what the topology's durations take (`90s`, `10m`, `2h`, `1d`).
+pub fn parse_span(text: &str) -> Result<Duration, String> {
+    match text.trim().strip_suffix("ms") {
+        Some(ms) => ms.trim().parse().map(Duration::from_millis).map_err(|_| format!("`{text}` is not a duration")),
+        None => parse_duration(text),
+    }
+}
+
+/// How long lower priorities may wait while higher ones keep arriving.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PriorityConfig {
+    /// A waiting p1 job is taken before p0 work once p1 went unserved this long.
+    pub p1_max_wait: Span,
+    /// Likewise for p2.
+    pub p2_max_wait: Span,
+}
+
+impl Default for PriorityConfig {
+    fn default() -> Self {
+        Self { p1_max_wait: Span(Duration::from_secs(20)), p2_max_wait: Span(Duration::from_secs(60)) }
+    }
+}
+
+impl PriorityConfig {
+    /// The bound for a priority (`p0` has none: it is always first).
+    pub fn max_wait(&self, priority: Priority) -> Option<Duration> {
+        match priority {
+            Priority::P0 => None,
+            Priority::P1 => Some(self.p1_max_wait.0),
+            Priority::P2 => Some(self.p2_max_wait.0),
+        }
+    }
+}
+
+/// Probe renders at start: they measure peaks for the budget and prove the card works.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct CalibrationConfig {
+    /// `[width, height, images]`, smallest first; at least two distinct sizes.
+    pub shapes: Vec<[u32; 3]>,
+    /// Steps of each probe render (memory does not depend on it; time does).
+    pub steps: u32,
+    /// Skip the probe renders when a stored fingerprint matches (card, model, runtime). A fitness
+    /// render of the smallest shape still runs.
+    pub reuse_fingerprint: bool,
+}
+
+impl Default for CalibrationConfig {
+    fn default() -> Self {
+        Self { shapes: vec![[512, 512, 1], [768, 768, 1], [1024, 1024, 1], [1024, 1024, 2]], steps: 2, reuse_fingerprint: true }
+    }
+}
+
+/// The whole worker configuration.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct WorkerConfig {
+    /// Names this worker in results, failed records and logs.
+    pub worker_id: String,
+    pub device: DeviceKind,
+    /// The GPU index (NVML's and CUDA's) with `device = "cuda"`.
+    pub gpu: u32,
+    /// The model folder (Optimum's SDXL ONNX layout).
+    pub model: PathBuf,
+    /// Memory classes this worker serves at most (small cards leave out the large ones).
+    pub classes: Vec<MemoryClass>,
+    /// Jobs rendered at the same time (each in its own UNet batches).
+    pub concurrency: usize,
+    /// On SIGTERM, how long in-flight jobs may take to finish before they are naked.
+    pub grace_period: Span,
+    /// A render running longer than this is stopped and naked (a transient failure).
+    pub job_time_limit: Span,
+    /// How often a job in progress tells the server it is alive; `None`: a third of the
+    /// consumer's `ack_wait`.
+    pub progress_interval: Option<Span>,
+    /// How long to sleep when every queue was empty (doubles up to ten times this).
+    pub idle_poll: Span,
+    /// Threads per graph on the CPU.
+    pub intra_threads: Option<usize>,
+    /// Where calibration fingerprints are kept.
+    pub state_dir: PathBuf,
+    pub nats: NatsOptions,
+    pub store: StoreConfig,
+    pub budget: BudgetConfig,
+    pub telemetry: TelemetryConfig,
+    pub priorities: PriorityConfig,
+    pub calibration: CalibrationConfig,
+    /// Bounds a job must respect (the producer uses the same defaults).
+    pub limits: Limits,
+    /// Fault injection for tests: explicit, off by default, loudly logged when on.
+    pub faults: FaultConfig,
+}
+
+impl Default for WorkerConfig {
+    fn default() -> Self {
+        Self {
+            worker_id: String::new(),
+            device: DeviceKind::Cpu,
+            gpu: 0,
+            model: PathBuf::new(),
+            classes: MemoryClass::ALL.to_vec(),
+            concurrency: 1,
+            grace_period: Span(Duration::from_secs(60)),
+            job_time_limit: Span(Duration::from_secs(600)),
+            progress_interval: None,
+            idle_poll: Span(Duration::from_millis(100)),
+            intra_threads: None,
+            state_dir: PathBuf::from("/var/lib/shotfleet"),
+            nats: NatsOptions { name: "shotfleet-consumer".into(), ..NatsOptions::default() },
+            store: StoreConfig::default(),
+            budget: BudgetConfig::default(),
+            telemetry: TelemetryConfig::default(),
+            priorities: PriorityConfig::default(),
+            calibration: CalibrationConfig::default(),
+            limits: Limits::default(),
+            faults: FaultConfig::default(),
+        }
+    }
+}
+
+/// Values given on the command line; each overrides the file and the environment.
+#[derive(Debug, Clone, Default)]
+pub struct Overrides {
+    pub server: Option<String>,
+    pub creds: Option<PathBuf>,
+    pub user: Option<String>,
+    pub password: Option<String>,
+    pub tls_ca: Option<PathBuf>,
+    pub model: Option<PathBuf>,
+    pub store: Option<String>,
+    pub device: Option<String>,
+    pub gpu: Option<u32>,
+    pub classes: Option<String>,
+    pub metrics_addr: Option<String>,
+    pub grace_period: Option<String>,
+    pub worker_id: Option<String>,
+    pub state_dir: Option<PathBuf>,
+}
+
+/// A setting that cannot be used, and what to do about it.
+#[derive(Debug, thiserror::Error)]
+#[error("{setting}: {message}")]
+pub struct ConfigError {
+    pub setting: String,
+    pub message: String,
+}
+
+fn bad(setting: &str, message: impl Into<String>) -> ConfigError {
+    ConfigError { setting: setting.to_owned(), message: message.into() }
+}
+
+impl WorkerConfig {
+    /// Reads `file` (if any), applies the environment (`NATS_URL`, `NATS_CREDS`, `NATS_USER`,
+    /// `NATS_PASSWORD`, `NATS_CA`, `SHOTFLEET_MODEL`, `SHOTFLEET_STORE`, `SHOTFLEET_DEVICE`,
+    /// `SHOTFLEET_GPU`, `SHOTFLEET_WORKER_ID`, `SHOTFLEET_STATE_DIR`, `SHOTFLEET_METRICS_ADDR`),
+    /// then the flags, and validates the result.
+    ///
+    /// # Errors
+    /// [`ConfigError`] naming the setting.
+    pub fn resolve(file: Option<&Path>, env: &HashMap<String, String>, flags: Overrides) -> Result<Self, ConfigError> {
+        let mut config = match file {
+            Some(path) => {
+                let text = std::fs::read_to_string(path)
+                    .map_err(|e| bad("--config", format!("cannot read {}: {e}", path.display())))?;
+                toml::from_str::<WorkerConfig>(&text).map_err(|e| bad(&path.display().to_string(), e.to_string()))?
+            }
+            None => WorkerConfig::default(),
+        };
+        let var = |name: &str| env.get(name).filter(|v| !v.is_empty()).cloned();
+        let pick = |flag: Option<String>, name: &str| flag.or_else(|| var(name));
+
+        if let Some(v) = pick(flags.server, "NATS_URL") {
+            config.nats.server = v;
+        }
+        if let Some(v) = flags.creds.or_else(|| var("NATS_CREDS").map(PathBuf::from)) {
+            config.nats.creds = Some(v);
+        }
+        if let Some(v) = pick(flags.user, "NATS_USER") {
+            config.nats.user = Some(v);
+        }
+        if let Some(v) = pick(flags.password, "NATS_PASSWORD") {
+            config.nats.password = Some(v);
+        }
+        if let Some(v) = flags.tls_ca.or_else(|| var("NATS_CA").map(PathBuf::from)) {
+            config.nats.tls_ca = Some(v);
+        }
+        if let Some(v) = flags.model.or_else(|| var("SHOTFLEET_MODEL").map(PathBuf::from)) {
+            config.model = v;
+        }
+        if let Some(v) = pick(flags.store, "SHOTFLEET_STORE") {
+            config.store.url = v;
+        }
+        if let Some(v) = pick(flags.device, "SHOTFLEET_DEVICE") {
+            config.device = match v.as_str() {
+                "cpu" => DeviceKind::Cpu,
+                "cuda" => DeviceKind::Cuda,
+                other => return Err(bad("device (SHOTFLEET_DEVICE)", format!("`{other}` is not `cpu` or `cuda`"))),
+            };
+        }
+        let gpu = flags.gpu.map(Ok).or_else(|| {
+            var("SHOTFLEET_GPU").map(|g| g.parse::<u32>().map_err(|_| bad("SHOTFLEET_GPU", format!("`{g}` is not a GPU index"))))
+        });
+        if let Some(gpu) = gpu {
+            config.gpu = gpu?;
+        }
+        if let Some(v) = flags.classes {
+            config.classes = v
+                .split(',')
+                .map(|c| c.trim().parse::<MemoryClass>().map_err(|e| bad("--classes", e)))
+                .collect::<Result<_, _>>()?;
+        }
+        if let Some(v) = pick(flags.metrics_addr, "SHOTFLEET_METRICS_ADDR") {
+            config.telemetry.listen =
+                v.parse().map_err(|_| bad("--metrics-addr", format!("`{v}` is not an address like 0.0.0.0:9400")))?;
+        }
+        if let Some(v) = flags.grace_period {
+            config.grace_period = Span(parse_span(&v).map_err(|e| bad("--grace-period", e))?);
+        }
+        if let Some(v) = pick(flags.worker_id, "SHOTFLEET_WORKER_ID") {
+            config.worker_id = v;
+        }
+        if let Some(v) = flags.state_dir.or_else(|| var("SHOTFLEET_STATE_DIR").map(PathBuf::from)) {
+            config.state_dir = v;
+        }
+        if config.worker_id.is_empty() {
+            let host = env.get("HOSTNAME").cloned().unwrap_or_else(hostname);
+            config.worker_id = match config.device {
+                DeviceKind::Cpu => format!("{host}/cpu"),
+                DeviceKind::Cuda => format!("{host}/gpu{}", config.gpu),
+            };
+        }
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Checks what can be checked without connecting anywhere.
+    ///
+    /// # Errors
+    /// [`ConfigError`] naming the setting.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.model.as_os_str().is_empty() {
+            return Err(bad("model (SHOTFLEET_MODEL, --model)", "no model folder given"));
+        }
+        if !self.model.is_dir() {
+            return Err(bad("model (SHOTFLEET_MODEL, --model)", format!("{} is not a folder", self.model.display())));
+        }
+        if self.classes.is_empty() {
+            return Err(bad("classes", "serve at least one class"));
+        }
+        if self.concurrency == 0 || self.concurrency > 64 {
+            return Err(bad("concurrency", format!("{} is outside 1..=64", self.concurrency)));
+        }
+        if self.job_time_limit.0 < Duration::from_secs(1) {
+            return Err(bad("job_time_limit", "must be at least 1s"));
+        }
+        if self.worker_id.contains(['\n', '\r']) || self.worker_id.len() > 200 {
+            return Err(bad("worker_id", "must be one line of at most 200 bytes"));
+        }
+        match (self.device, &self.budget.simulate) {
+            (DeviceKind::Cpu, None) => {
+                return Err(bad(
+                    "budget.simulate",
+                    "a CPU worker needs an explicit simulated GPU, e.g. `[budget.simulate] total_mib = 4096`; \
+                     it is never assumed",
+                ));
+            }
+            (DeviceKind::Cuda, Some(_)) => {
+                return Err(bad("budget.simulate", "a CUDA worker measures its card through NVML; remove [budget.simulate]"));
+            }
+            _ => {}
+        }
+        if cfg!(not(feature = "cuda")) && self.device == DeviceKind::Cuda {
+            return Err(bad("device", "this binary was built without the `cuda` feature; rebuild with --features cuda"));
+        }
+        self.budget.validate().map_err(|e| bad("budget", e.to_string()))?;
+        if self.calibration.shapes.len() < 2 {
+            return Err(bad("calibration.shapes", "give at least two shapes of different sizes"));
+        }
+        if self.calibration.steps == 0 {
+            return Err(bad("calibration.steps", "must be at least 1"));
+        }
+        Ok(())
+    }
+
+    /// The GPU index as the pipeline and probe see it: `None` on the CPU.
+    pub fn gpu_index(&self) -> Option<u32> {
+        (self.device == DeviceKind::Cuda).then_some(self.gpu)
+    }
+
+    /// The listen address for metrics and health.
+    pub fn metrics_addr(&self) -> SocketAddr {
+        self.telemetry.listen
+    }
+}
+
+fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname").map(|h| h.trim().to_owned()).unwrap_or_else(|_| "worker".into())
+}

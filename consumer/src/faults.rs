@@ -1,0 +1,75 @@
+//! Fault injection for tests: explicit configuration, off by default, loudly logged when on.
+//!
+//! The chaos and commit-protocol tests need a worker to die at an exact point (after upload,
+//! after the result is published) or to produce bytes another worker would not (two GPU models
+//! render the same job differently). Nothing here is ever chosen implicitly.
+
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::config::Span;
+
+/// Where a worker may be told to die, as SIGKILL would leave it: no ack, no cleanup.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CrashPoint {
+    /// Images uploaded, no result published.
+    AfterUpload,
+    /// Result published, message not acked.
+    AfterPublish,
+}
+
+/// The `[faults]` section.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct FaultConfig {
+    /// Exit the process (code 137, as SIGKILL) at this point of the first job.
+    pub crash_at: Option<CrashPoint>,
+    /// Sleep this long between upload and publishing the result, without progress acks, so the
+    /// server redelivers the job to another worker meanwhile.
+    pub stall_before_publish: Option<Span>,
+    /// Add a text chunk naming this worker to every PNG, so two workers' renders of one job
+    /// differ as renders on two GPU models do.
+    pub mark_images: bool,
+}
+
+impl FaultConfig {
+    pub fn any(&self) -> bool {
+        self.crash_at.is_some() || self.stall_before_publish.is_some() || self.mark_images
+    }
+
+    pub fn stall(&self) -> Option<Duration> {
+        self.stall_before_publish.map(|s| s.0)
+    }
+
+    /// Dies here if told to.
+    pub fn crash_point(&self, here: CrashPoint) {
+        if self.crash_at == Some(here) {
+            tracing::error!(point = ?here, "fault injection: exiting as if killed");
+            std::process::exit(137);
+        }
+    }
+}
+
+/// Inserts a `tEXt` chunk (`keyword`, `text`) after the PNG's header chunk.
+pub fn add_png_text(png: &[u8], keyword: &str, text: &str) -> Vec<u8> {
+    // signature (8) + IHDR chunk (4 length + 4 type + 13 data + 4 crc)
+    const AFTER_IHDR: usize = 8 + 25;
+    let mut data = Vec::with_capacity(keyword.len() + 1 + text.len());
+    data.extend_from_slice(keyword.as_bytes());
+    data.push(0);
+    data.extend_from_slice(text.as_bytes());
+    let mut chunk = Vec::with_capacity(12 + data.len());
+    chunk.extend_from_slice(&(data.len() as u32).to_be_bytes());
+    chunk.extend_from_slice(b"tEXt");
+    chunk.extend_from_slice(&data);
+    let mut crc = crc32fast::Hasher::new();
+    crc.update(b"tEXt");
+    crc.update(&data);
+    chunk.extend_from_slice(&crc.finalize().to_be_bytes());
+    let mut out = png[..AFTER_IHDR].to_vec();
+    out.extend_from_slice(&chunk);
+    out.extend_from_slice(&png[AFTER_IHDR..]);
+    out
+}

@@ -1,0 +1,119 @@
+//! Start-up: load the models, measure what they take, calibrate the budget, prove the card works.
+//!
+//! Nothing is fetched before this has passed: a worker whose models do not load or whose probe
+//! render fails never takes a job (and `/readyz` stays 503 with the reason).
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use tracing::info;
+
+use crate::budget::{self, Budget, Estimate, FingerprintKey, FingerprintStore, GpuProbe, PeakWindow, Sample, Shape};
+use crate::config::{DeviceKind, WorkerConfig};
+use crate::pipeline::{Device, Pipeline, PipelineOptions, RenderRequest};
+use crate::worker::WorkerError;
+
+/// The models and the budget, ready to serve.
+pub struct Ready {
+    pub pipeline: Arc<Pipeline>,
+    pub budget: Budget,
+    pub probe: Arc<dyn GpuProbe>,
+}
+
+/// Loads, calibrates (or reuses a stored fingerprint) and runs a fitness render.
+///
+/// # Errors
+/// [`WorkerError::Start`] naming the step that failed.
+pub async fn prepare(config: &WorkerConfig) -> Result<Ready, WorkerError> {
+    let started = Instant::now();
+    let probe = budget::open_probe(&config.budget, config.gpu_index()).map_err(|e| start("open the GPU probe", e))?;
+    let before = probe.snapshot().map_err(|e| start("read the GPU", e))?;
+    let options = pipeline_options(config, before.total, before.free);
+    let model = config.model.clone();
+    let pipeline = blocking(move || Pipeline::load(&model, &options)).await?.map_err(|e| start("load the model", e))?;
+    let pipeline = Arc::new(pipeline);
+    let after = probe.snapshot().map_err(|e| start("read the GPU", e))?;
+    let resident = after.resident_since(&before);
+    info!(model = %pipeline.info().name, device = %after.device, resident_mib = resident / budget::MIB, load_s = started.elapsed().as_secs_f64(), "models loaded");
+
+    let key = FingerprintKey {
+        device: after.device.clone(),
+        model: pipeline.info().name.clone(),
+        runtime: pipeline.info().ort_version.clone(),
+    };
+    let fingerprints = FingerprintStore::new(&config.state_dir);
+    let stored = if config.calibration.reuse_fingerprint { fingerprints.load(&key).ok().flatten() } else { None };
+    let estimate = match stored {
+        Some(estimate) => {
+            // Still one render: the fitness check proves the card and the runtime work.
+            let [w, h, n] = config.calibration.shapes[0];
+            measure(&pipeline, &*probe, Shape::new(w, h, n), config.calibration.steps).await?;
+            info!("calibration reused from a stored fingerprint");
+            estimate
+        }
+        None => {
+            let mut samples = Vec::new();
+            for &[w, h, n] in &config.calibration.shapes {
+                let shape = Shape::new(w, h, n);
+                let peak = measure(&pipeline, &*probe, shape, config.calibration.steps).await?;
+                info!(width = w, height = h, images = n, peak_mib = peak as f64 / budget::MIB as f64, "probe render");
+                samples.push(Sample { shape, peak_bytes: peak });
+            }
+            let estimate = Estimate::calibrate(&samples).map_err(|e| start("calibrate the budget", e))?;
+            if let Err(e) = fingerprints.save(&key, &estimate) {
+                tracing::warn!(error = %e, "could not store the calibration; the next start calibrates again");
+            }
+            estimate
+        }
+    };
+    let budget = Budget::new(config.budget.clone(), probe.clone(), estimate, resident).map_err(|e| start("configure the budget", e))?;
+    info!(warmup_s = started.elapsed().as_secs_f64(), "worker ready");
+    Ok(Ready { pipeline, budget, probe })
+}
+
+/// The pipeline's options: on a GPU, ONNX Runtime's arena is capped at what the budget could
+/// ever plan with, so the arena and the budget agree on the card's size.
+fn pipeline_options(config: &WorkerConfig, total: u64, free: u64) -> PipelineOptions {
+    let device = match config.device {
+        DeviceKind::Cpu => Device::Cpu,
+        DeviceKind::Cuda => {
+            let b = &config.budget;
+            let cap = ((total as f64 * b.max_fill) as u64).min(free.saturating_sub(b.margin_mib * budget::MIB));
+            Device::Cuda { gpu: config.gpu, mem_limit_bytes: Some(cap.saturating_sub(b.reserve_mib * budget::MIB)) }
+        }
+    };
+    PipelineOptions { device, intra_threads: config.intra_threads, ..PipelineOptions::default() }
+}
+
+/// One probe render of `shape`, returning the peak memory it added.
+async fn measure(pipeline: &Arc<Pipeline>, probe: &dyn GpuProbe, shape: Shape, steps: u32) -> Result<u64, WorkerError> {
+    // Each probe ends by shrinking the arena, so the next one starts from the models alone and
+    // its peak is its own, not what the previous probe left cached.
+    pipeline.request_arena_shrink();
+    let window = PeakWindow::start(probe).map_err(|e| start("measure a probe render", e))?;
+    let pipeline = pipeline.clone();
+    let request = RenderRequest {
+        prompt: "calibration: a lighthouse on a cliff".into(),
+        negative_prompt: Some("blurry".into()),
+        width: shape.width,
+        height: shape.height,
+        steps,
+        guidance: 5.0,
+        seed: 0,
+        image_indices: (0..shape.images).collect(),
+        max_batch: shape.images as usize,
+    };
+    blocking(move || pipeline.render(&request, &mut |_| std::ops::ControlFlow::Continue(())))
+        .await?
+        .map_err(|e| start(&format!("render a {}x{}x{} probe", shape.width, shape.height, shape.images), e))?;
+    window.finish().map_err(|e| start("measure a probe render", e))
+}
+
+fn start(step: &str, e: impl std::fmt::Display) -> WorkerError {
+    WorkerError::Start { step: step.to_owned(), detail: e.to_string() }
+}
+
+/// Runs blocking work (ONNX Runtime) off the async threads.
+pub async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Result<T, WorkerError> {
+    tokio::task::spawn_blocking(f).await.map_err(|e| WorkerError::Start { step: "run a blocking task".into(), detail: e.to_string() })
+}
