@@ -75,6 +75,11 @@ pub enum LoadError {
     #[error("unsupported: {detail}")]
     Unsupported { detail: String },
 
+    /// The capped CPU arena (`PipelineOptions::cpu_arena_max_mem`) cannot be set up: ONNX
+    /// Runtime refused it, or the process already has another cap (it is process-wide).
+    #[error("capped CPU arena: {detail}")]
+    CpuArena { detail: String },
+
     /// The ONNX Runtime library itself cannot be loaded or initialised.
     #[error("ONNX Runtime library {path}: {detail}")]
     Runtime { path: PathBuf, detail: String },
@@ -113,6 +118,11 @@ pub enum RenderError {
     /// The progress callback asked to stop.
     #[error("render cancelled after {steps_done} steps")]
     Cancelled { steps_done: u32 },
+
+    /// A [`CancelHandle`](super::CancelHandle) stopped the render (the worker's time limit),
+    /// during or between ONNX Runtime runs of `stage`.
+    #[error("{stage}: render terminated through its cancel handle")]
+    Terminated { stage: Stage },
 }
 
 impl RenderError {
@@ -139,7 +149,7 @@ impl RenderError {
     /// The stage that failed, where one applies.
     pub fn stage(&self) -> Option<Stage> {
         match self {
-            RenderError::Runtime { stage, .. } | RenderError::Output { stage, .. } => Some(*stage),
+            RenderError::Runtime { stage, .. } | RenderError::Output { stage, .. } | RenderError::Terminated { stage } => Some(*stage),
             RenderError::Tokenize(_) => Some(Stage::Tokenize),
             RenderError::Png(_) => Some(Stage::Png),
             _ => None,

@@ -12,8 +12,24 @@
 //! - `unet`: the denoising loop with classifier-free guidance;
 //! - `vae`: latents to pixels;
 //! - [`image`]: pixels to uint8 as diffusers, PNG with parameters;
-//! - `model` and `session`: the folder's files and configs, ONNX Runtime sessions.
+//! - `model` and `session`: the folder's files and configs, ONNX Runtime sessions;
+//! - `control`: [`CancelHandle`], stopping a render from another thread.
+//!
+//! # Out of memory and recovery
+//!
+//! An allocation failure comes back as [`RenderError::Runtime`] with ONNX Runtime's text
+//! (`crate::failure` classifies it). The pipeline stays usable: ONNX Runtime frees a failed
+//! run's tensors, and [`Pipeline::request_arena_shrink`] gives the arena's free regions back at
+//! the end of the next render, which a fragmented arena needs before a large request fits
+//! again. Where a failure did leave a session unusable, [`Pipeline::reload`] rebuilds every
+//! session in place of the old ones. The in-place rungs of the degrade ladder are
+//! [`RenderRequest::max_batch`] (smaller UNet batches, same images) and
+//! [`RenderControl::vae_decode`] (tiled VAE decode).
+//!
+//! On the CPU, [`PipelineOptions::cpu_arena_max_mem`] caps the arena so tests provoke the same
+//! failures for real; the cap is process-wide (see there).
 
+mod control;
 mod error;
 pub mod image;
 mod model;
@@ -30,10 +46,13 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
+pub use control::CancelHandle;
 pub use error::{LoadError, RenderError, Stage};
+pub use session::ArenaStats;
 pub use text_encoder::PromptEmbeds;
 
 use model::FolderConfig;
+use control::{Runs, Shrink};
 use scheduler::{EulerDiscrete, Schedule};
 use session::Elem;
 use text_encoder::TextEncoders;
@@ -55,8 +74,16 @@ pub enum Device {
 #[derive(Debug, Clone, Default)]
 pub struct PipelineOptions {
     pub device: Device,
-    /// A hard cap on the CPU arena, to provoke real out-of-memory errors in tests. Not implemented
-    /// yet: loading with `Some` is refused rather than silently uncapped.
+    /// A hard cap, in bytes, on the CPU arena that holds the graphs' intermediate tensors (the
+    /// weights stay outside it), so that out-of-memory happens for real on the CPU: a run that
+    /// needs more fails with ONNX Runtime's `BFCArena::AllocateRawInternal ... Available memory
+    /// of N is smaller than requested bytes of M`, as a capped GPU arena does.
+    ///
+    /// Process-wide: ONNX Runtime has one environment per process and one shared CPU arena in
+    /// it. The first load that sets a cap registers that arena; every later load that sets one
+    /// must set the same value ([`LoadError::CpuArena`] otherwise), and its sessions share the
+    /// arena with the first's. A load with `None` keeps ONNX Runtime's own uncapped arena per
+    /// session. So a process that wants a cap sets it at its first load and keeps it.
     pub cpu_arena_max_mem: Option<u64>,
     /// Threads per graph on the CPU (ONNX Runtime's default: one per core).
     pub intra_threads: Option<usize>,
@@ -81,8 +108,40 @@ pub struct RenderRequest {
     pub seed: u64,
     /// Which images of the job to render; each one's noise depends only on (seed, index).
     pub image_indices: Vec<u32>,
-    /// Images per UNet sub-batch (the guidance batch is twice this).
+    /// Images per UNet sub-batch (the guidance batch is twice this). The first in-place rung of
+    /// the degrade ladder: any value gives the same images.
     pub max_batch: usize,
+}
+
+/// How a render runs, beyond what it renders: the second in-place rung of the degrade ladder
+/// and the handle that stops it. `Default`: whole decode, a handle nobody else holds.
+#[derive(Debug, Clone, Default)]
+pub struct RenderControl {
+    /// Whole or tiled VAE decode (tiled: close to, not equal to, whole; less memory).
+    pub vae_decode: VaeDecode,
+    /// Stops the render from another thread (the worker's time limit).
+    pub cancel: CancelHandle,
+}
+
+/// How the VAE turns each image's latents into pixels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum VaeDecode {
+    /// One decoder run per image: exact, and the decoder's largest activations.
+    #[default]
+    Whole,
+    /// diffusers' `AutoencoderKL.tiled_decode`: square tiles of `tile` pixels, each overlapping
+    /// the previous one by `overlap` pixels, blended linearly over the overlap. Both are
+    /// multiples of the VAE factor (8) and `overlap < tile`. An image no larger than one tile is
+    /// decoded whole. Peak decoder memory follows the tile instead of the image.
+    Tiled { tile: u32, overlap: u32 },
+}
+
+impl VaeDecode {
+    /// diffusers' settings for SDXL (`tile_sample_min_size` 1024, `tile_overlap_factor` 0.25):
+    /// `tiled(1024)` gives exactly its tiles and blend.
+    pub fn tiled(tile: u32) -> VaeDecode {
+        VaeDecode::Tiled { tile, overlap: tile / 4 / 8 * 8 }
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -169,6 +228,9 @@ pub struct Pipeline {
     vae: VaeDecoder,
     info: ModelInfo,
     shrink_next: AtomicBool,
+    /// What [`Pipeline::reload`] loads again.
+    model_dir: PathBuf,
+    options: PipelineOptions,
 }
 
 impl Pipeline {
@@ -179,21 +241,24 @@ impl Pipeline {
     /// # Errors
     /// [`LoadError`] naming the file at fault and what is wrong with it.
     pub fn load(model_dir: &Path, options: &PipelineOptions) -> Result<Pipeline, LoadError> {
-        if options.cpu_arena_max_mem.is_some() {
-            return Err(LoadError::Unsupported { detail: "cpu_arena_max_mem is not implemented yet".into() });
-        }
         let config = FolderConfig::read(model_dir)?;
         let scheduler = EulerDiscrete::new(&config.scheduler).map_err(|detail| LoadError::Invalid {
             path: model_dir.join("scheduler/scheduler_config.json"),
             detail,
         })?;
         let (env, ort_version) = session::environment(options.ort_library.as_deref())?;
+        if let Some(max_mem) = options.cpu_arena_max_mem {
+            session::cap_cpu_arena(&env, max_mem)?;
+        }
         let text = TextEncoders::load(&env, &config, options)?;
         let unet = Unet::load(&env, &config, options)?;
         let vae = VaeDecoder::load(&env, &config, options)?;
 
         // One real encode proves the encoders run and tells the conditioning widths.
-        let probe = text.encode("").map_err(|e| LoadError::Graph {
+        let probe = text.encode("", &Runs::new(&CancelHandle::new(), Shrink::Never, "").map_err(|e| LoadError::Graph {
+            path: model_dir.join(model::TEXT_ENCODER),
+            detail: format!("cannot create run options: {e}"),
+        })?).map_err(|e| LoadError::Graph {
             path: model_dir.join(model::TEXT_ENCODER),
             detail: format!("test encode failed: {e}"),
         })?;
@@ -216,7 +281,33 @@ impl Pipeline {
             ort_version,
             device: options.device.clone(),
         };
-        Ok(Pipeline { config, text, scheduler, unet, vae, info, shrink_next: AtomicBool::new(false) })
+        Ok(Pipeline {
+            config,
+            text,
+            scheduler,
+            unet,
+            vae,
+            info,
+            shrink_next: AtomicBool::new(false),
+            model_dir: model_dir.to_path_buf(),
+            options: options.clone(),
+        })
+    }
+
+    /// Rebuilds every session from the same folder with the same options: the recovery when a
+    /// failure (an arena or device error) left a session unusable, and the soft restart against
+    /// slow leaks. This pipeline's sessions are dropped first, so the device never holds two
+    /// copies of the weights; hence it takes `self` (a worker sharing the pipeline through an
+    /// `Arc` gets it back with `Arc::into_inner` once no render holds it). The process-wide
+    /// environment and its capped CPU arena, if any, stay.
+    ///
+    /// # Errors
+    /// As [`Pipeline::load`]; the old pipeline is gone by then, so a worker that cannot load its
+    /// model again should exit.
+    pub fn reload(self) -> Result<Pipeline, LoadError> {
+        let (model_dir, options) = (self.model_dir.clone(), self.options.clone());
+        drop(self);
+        Pipeline::load(&model_dir, &options)
     }
 
     pub fn info(&self) -> &ModelInfo {
@@ -228,6 +319,39 @@ impl Pipeline {
     /// it after an unusually large job.
     pub fn request_arena_shrink(&self) {
         self.shrink_next.store(true, Ordering::Relaxed);
+    }
+
+    /// Gives the free regions of every graph's arena back now: after an out-of-memory error a
+    /// BFC arena is left holding regions cut to the failed run's sizes, and a later large
+    /// request can fail on fragmentation alone. ONNX Runtime shrinks arenas only at the end of a
+    /// run that asks for it, so this renders one tiny image (8x8 latents, one step, no
+    /// guidance) whose every run asks; that costs milliseconds, not a real render.
+    ///
+    /// # Errors
+    /// As [`Pipeline::render`].
+    pub fn shrink_arenas(&self) -> Result<(), RenderError> {
+        let side = 8 * self.info.vae_scale_factor;
+        let tiny = RenderRequest {
+            prompt: String::new(),
+            negative_prompt: None,
+            width: side,
+            height: side,
+            steps: 1,
+            guidance: 1.0,
+            seed: 0,
+            image_indices: vec![0],
+            max_batch: 1,
+        };
+        self.render_inner(&tiny, None, None, &RenderControl::default(), Shrink::EveryRun, &mut |_| ControlFlow::Continue(()))?;
+        Ok(())
+    }
+
+    /// The counters of the capped CPU arena (peak bytes in use so far, extensions, shrinkages),
+    /// shared by every capped pipeline of the process; `None` without
+    /// [`PipelineOptions::cpu_arena_max_mem`].
+    pub fn cpu_arena_stats(&self) -> Option<ArenaStats> {
+        self.options.cpu_arena_max_mem?;
+        self.unet.arena_stats()
     }
 
     /// Token ids of both tokenizers for `text`, padded to 77.
@@ -243,7 +367,7 @@ impl Pipeline {
     /// # Errors
     /// As [`Pipeline::render`], stage text_encode.
     pub fn encode_prompt(&self, text: &str) -> Result<PromptEmbeds, RenderError> {
-        self.text.encode(text)
+        self.text.encode(text, &Runs::new(&CancelHandle::new(), Shrink::Never, "")?)
     }
 
     /// The schedule a render with `steps` steps uses.
@@ -261,7 +385,23 @@ impl Pipeline {
         req: &RenderRequest,
         on_step: &mut dyn FnMut(StepProgress) -> ControlFlow<()>,
     ) -> Result<RenderOutput, RenderError> {
-        self.render_inner(req, None, None, on_step)
+        self.render_inner(req, None, None, &RenderControl::default(), Shrink::Requested, on_step)
+    }
+
+    /// [`Pipeline::render`] with a VAE decode mode and a [`CancelHandle`] that can stop it from
+    /// another thread, also in the middle of a graph run: the worker's time limit. `on_step`
+    /// can still stop it between steps.
+    ///
+    /// # Errors
+    /// As [`Pipeline::render`]; [`RenderError::Terminated`] once `control.cancel` is cancelled;
+    /// [`RenderError::InvalidRequest`] for tiles that are not multiples of the VAE factor.
+    pub fn render_with(
+        &self,
+        req: &RenderRequest,
+        control: &RenderControl,
+        on_step: &mut dyn FnMut(StepProgress) -> ControlFlow<()>,
+    ) -> Result<RenderOutput, RenderError> {
+        self.render_inner(req, None, None, control, Shrink::Requested, on_step)
     }
 
     /// [`Pipeline::render`] with the initial noise given (unit variance, `[n, c, h/8, w/8]` for
@@ -277,7 +417,7 @@ impl Pipeline {
         on_step: &mut dyn FnMut(StepProgress) -> ControlFlow<()>,
     ) -> Result<(RenderOutput, Trace), RenderError> {
         let mut trace = Trace::default();
-        let output = self.render_inner(req, noise, Some(&mut trace), on_step)?;
+        let output = self.render_inner(req, noise, Some(&mut trace), &RenderControl::default(), Shrink::Requested, on_step)?;
         Ok((output, trace))
     }
 
@@ -286,9 +426,11 @@ impl Pipeline {
         req: &RenderRequest,
         noise: Option<&[f32]>,
         mut trace: Option<&mut Trace>,
+        control: &RenderControl,
+        shrink: Shrink,
         on_step: &mut dyn FnMut(StepProgress) -> ControlFlow<()>,
     ) -> Result<RenderOutput, RenderError> {
-        let (lh, lw) = self.validate(req)?;
+        let (lh, lw) = self.validate(req, control)?;
         let c = self.info.latent_channels;
         let per_image = c * lh * lw;
         if let Some(noise) = noise
@@ -301,16 +443,27 @@ impl Pipeline {
             )));
         }
         let mut timings = StageTimings::default();
+        // `Requested`: shrink at the end if `request_arena_shrink` asked since the last render.
+        let shrink = match shrink {
+            Shrink::Requested if self.shrink_next.swap(false, Ordering::Relaxed) => Shrink::AtEnd,
+            Shrink::Requested => Shrink::Never,
+            other => other,
+        };
+        let shrink_key = match &self.info.device {
+            Device::Cpu => "cpu:0".to_owned(),
+            Device::Cuda { gpu, .. } => format!("gpu:{gpu}"),
+        };
+        let runs = Runs::new(&control.cancel, shrink, &shrink_key)?;
 
         let started = Instant::now();
-        let positive = self.text.encode(&req.prompt)?;
+        let positive = self.text.encode(&req.prompt, &runs)?;
         let guided = req.guidance > 1.0;
         let negative_text = req.negative_prompt.as_deref().filter(|n| !n.is_empty());
         let negative = match (guided, negative_text) {
             (false, _) => None,
-            (true, Some(text)) => Some(self.text.encode(text)?),
+            (true, Some(text)) => Some(self.text.encode(text, &runs)?),
             (true, None) if self.config.force_zeros_for_empty_prompt => Some(positive.zeros_like()),
-            (true, None) => Some(self.text.encode("")?),
+            (true, None) => Some(self.text.encode("", &runs)?),
         };
         timings.text_encode = started.elapsed();
 
@@ -327,11 +480,6 @@ impl Pipeline {
             t.latents_after_step = vec![Vec::new(); schedule.len()];
         }
 
-        let shrink = self.shrink_next.swap(false, Ordering::Relaxed);
-        let shrink_key = match &self.info.device {
-            Device::Cpu => "cpu:0".to_owned(),
-            Device::Cuda { gpu, .. } => format!("gpu:{gpu}"),
-        };
         let mut images = Vec::with_capacity(req.image_indices.len());
         let mut done = 0usize;
         for chunk in req.image_indices.chunks(req.max_batch) {
@@ -353,7 +501,8 @@ impl Pipeline {
                 guidance: req.guidance,
                 latent_shape: [n, c, lh, lw],
                 device: &self.info.device,
-                shrink_arena: shrink,
+                runs: &runs,
+                shrink_arena: shrink != Shrink::Never,
             };
             let images_done = done as u32;
             let mut progress = |p: StepProgress| on_step(StepProgress { images_done, ..p });
@@ -370,13 +519,14 @@ impl Pipeline {
 
             for (k, &index) in chunk.iter().enumerate() {
                 let started = Instant::now();
-                let last = shrink && k + 1 == n && done + n == req.image_indices.len();
-                let decoded = self.vae.decode_one(
+                let last = k + 1 == n && done + n == req.image_indices.len();
+                let decoded = self.vae.decode(
                     &latents[k * per_image..(k + 1) * per_image],
-                    c,
-                    lh,
-                    lw,
-                    last.then_some(shrink_key.as_str()),
+                    [c, lh, lw],
+                    control.vae_decode,
+                    self.info.vae_scale_factor as usize,
+                    &runs,
+                    last,
                 )?;
                 timings.vae += started.elapsed();
 
@@ -412,7 +562,7 @@ impl Pipeline {
     }
 
     /// Checks a request against the model; returns the latent height and width.
-    fn validate(&self, req: &RenderRequest) -> Result<(usize, usize), RenderError> {
+    fn validate(&self, req: &RenderRequest, control: &RenderControl) -> Result<(usize, usize), RenderError> {
         let f = self.info.vae_scale_factor;
         let invalid = |s: String| Err(RenderError::InvalidRequest(s));
         if req.width == 0 || req.height == 0 || !req.width.is_multiple_of(f) || !req.height.is_multiple_of(f) {
@@ -429,6 +579,11 @@ impl Pipeline {
         }
         if !req.guidance.is_finite() {
             return invalid(format!("guidance {} is not finite", req.guidance));
+        }
+        if let VaeDecode::Tiled { tile, overlap } = control.vae_decode
+            && (tile == 0 || !tile.is_multiple_of(f) || !overlap.is_multiple_of(f) || overlap >= tile)
+        {
+            return invalid(format!("VAE tiles of {tile} px overlapping by {overlap} px: both must be multiples of {f}, the tile positive and larger than the overlap"));
         }
         Ok(((req.height / f) as usize, (req.width / f) as usize))
     }

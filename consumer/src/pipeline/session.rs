@@ -5,7 +5,9 @@ use std::path::{Path, PathBuf};
 use std::sync::{Mutex, MutexGuard};
 
 use half::f16;
+use ort::AsPointer;
 use ort::environment::Environment;
+use ort::memory::{AllocationDevice, AllocatorType, MemoryInfo, MemoryType};
 use ort::session::Session;
 use ort::session::builder::GraphOptimizationLevel;
 use ort::value::{DynTensor, DynValue, Tensor, TensorElementType, ValueType};
@@ -52,6 +54,113 @@ pub(crate) fn environment(library: Option<&Path>) -> Result<(Environment, String
     let version = library_version(&path).unwrap_or_else(|| ort::info().trim().to_owned());
     *slot = Some((env.clone(), version.clone()));
     Ok((env, version))
+}
+
+/// The cap of the CPU arena registered in the environment, once a load asked for one.
+static CPU_ARENA_CAP: Mutex<Option<u64>> = Mutex::new(None);
+
+/// Registers one CPU BFC arena of at most `max_mem` bytes as an environment allocator, which
+/// sessions built with `session.use_env_allocators=1` share instead of their own uncapped
+/// arenas. ONNX Runtime allows one allocator per device in an environment, and the environment
+/// is the process's, so the cap is process-wide: the first load that asks for it registers it,
+/// later loads must ask for the same cap (or none, which leaves their sessions uncapped).
+///
+/// # Errors
+/// [`LoadError::CpuArena`] when another cap is already registered or ONNX Runtime refuses the
+/// arena.
+pub(crate) fn cap_cpu_arena(env: &Environment, max_mem: u64) -> Result<(), LoadError> {
+    let mut slot = CPU_ARENA_CAP.lock().unwrap_or_else(|p| p.into_inner());
+    match *slot {
+        Some(cap) if cap == max_mem => return Ok(()),
+        Some(cap) => {
+            return Err(LoadError::CpuArena {
+                detail: format!(
+                    "asked for {max_mem} bytes, but this process already capped the CPU arena at {cap} bytes; the cap is process-wide and set by the first load that asks for one"
+                ),
+            });
+        }
+        None => {}
+    }
+    let runtime_err = |e: ort::Error| LoadError::CpuArena { detail: format!("ONNX Runtime cannot register it: {e}") };
+    let max_mem = usize::try_from(max_mem).map_err(|_| LoadError::CpuArena { detail: format!("{max_mem} bytes do not fit this platform") })?;
+    // kSameAsRequested (1): the arena grows by what a run asks for, no power-of-two overshoot,
+    // so the cap is reached only when the live tensors really need it (as on the GPU).
+    let keys = [c"max_mem".as_ptr(), c"arena_extend_strategy".as_ptr()];
+    let values: [usize; 2] = [max_mem, 1];
+    let api = ort::api();
+    let mut cfg: *mut ort::sys::OrtArenaCfg = std::ptr::null_mut();
+    // SAFETY: keys and values are arrays of the given length that outlive the call; `cfg` is
+    // released below whatever the registration gives.
+    unsafe { ort::Error::result_from_status((api.CreateArenaCfgV2)(keys.as_ptr(), values.as_ptr(), keys.len(), &mut cfg)) }
+        .map_err(runtime_err)?;
+    let registered = MemoryInfo::new(AllocationDevice::CPU, 0, AllocatorType::Arena, MemoryType::Default).and_then(|info| {
+        // SAFETY: env, info and cfg are live; ONNX Runtime copies what it keeps.
+        unsafe { ort::Error::result_from_status((api.CreateAndRegisterAllocator)(env.ptr().cast_mut(), info.ptr(), cfg)) }
+    });
+    // SAFETY: created above, released once.
+    unsafe { (api.ReleaseArenaCfg)(cfg) };
+    registered.map_err(runtime_err)?;
+    *slot = Some(max_mem as u64);
+    Ok(())
+}
+
+/// Counters of the capped CPU arena (ONNX Runtime's BFC arena statistics), in bytes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ArenaStats {
+    /// The cap (`max_mem`).
+    pub limit: u64,
+    /// Held by live tensors now.
+    pub in_use: u64,
+    /// Reserved from the system: in use, or free in the arena's regions.
+    pub total_allocated: u64,
+    /// The most ever in use at once: the process's peak so far.
+    pub max_in_use: u64,
+    /// The largest single allocation so far.
+    pub max_alloc_size: u64,
+    pub num_allocs: u64,
+    /// How many times the arena grew by a new region.
+    pub num_extensions: u64,
+    /// How many times it gave free regions back (`memory.enable_memory_arena_shrinkage`).
+    pub num_shrinkages: u64,
+}
+
+/// The counters of the CPU arena `session` allocates from: with `session.use_env_allocators`,
+/// the environment's capped arena shared by every capped session of the process. `None` when
+/// ONNX Runtime gives none (an arena that is not a BFC arena reports no counters).
+fn arena_stats(session: &Session) -> Option<ArenaStats> {
+    let info = MemoryInfo::new(AllocationDevice::CPU, 0, AllocatorType::Arena, MemoryType::Default).ok()?;
+    let allocator = ort::memory::Allocator::new(session, info).ok()?;
+    let api = ort::api();
+    let mut kvps: *mut ort::sys::OrtKeyValuePairs = std::ptr::null_mut();
+    // SAFETY: the allocator is live for this call; kvps is released below.
+    unsafe { ort::Error::result_from_status((api.AllocatorGetStats)(allocator.ptr(), &mut kvps)) }.ok()?;
+    let (mut keys, mut values, mut count) = (std::ptr::null(), std::ptr::null(), 0usize);
+    // SAFETY: kvps is live; the arrays it gives live as long as it does.
+    let pairs: Vec<(String, String)> = unsafe {
+        (api.GetKeyValuePairs)(kvps, &mut keys, &mut values, &mut count);
+        let pairs = (0..count)
+            .map(|i| {
+                let text = |p: *const std::ffi::c_char| std::ffi::CStr::from_ptr(p).to_string_lossy().into_owned();
+                (text(*keys.add(i)), text(*values.add(i)))
+            })
+            .collect();
+        (api.ReleaseKeyValuePairs)(kvps);
+        pairs
+    };
+    if pairs.is_empty() {
+        return None;
+    }
+    let get = |key: &str| pairs.iter().find(|(k, _)| k == key).and_then(|(_, v)| v.parse().ok()).unwrap_or(0);
+    Some(ArenaStats {
+        limit: get("Limit"),
+        in_use: get("InUse"),
+        total_allocated: get("TotalAllocated"),
+        max_in_use: get("MaxInUse"),
+        max_alloc_size: get("MaxAllocSize"),
+        num_allocs: get("NumAllocs"),
+        num_extensions: get("NumArenaExtensions"),
+        num_shrinkages: get("NumArenaShrinkages"),
+    })
 }
 
 /// "1.31.1" from the library's file name (`libonnxruntime.so.1.31.1`, symlinks followed): the
@@ -133,6 +242,14 @@ impl ModelSession {
         if let Some(threads) = options.intra_threads {
             builder = builder.with_intra_threads(threads).map_err(|e| session_err(e.into()))?;
         }
+        if options.cpu_arena_max_mem.is_some() {
+            // The environment's capped arena (see `cap_cpu_arena`) instead of one per session;
+            // weights outside it, so the cap bounds activations, as `gpu_mem_limit` does.
+            builder = builder
+                .with_env_allocators()
+                .and_then(|b| b.with_device_allocated_initializers())
+                .map_err(|e| session_err(e.into()))?;
+        }
         builder = configure_device(builder, &options.device).map_err(session_err)?;
         let session = builder.commit_from_file(path).map_err(session_err)?;
         let ports = |outlets: &[ort::value::Outlet]| -> Result<Vec<Port>, LoadError> {
@@ -141,6 +258,11 @@ impl ModelSession {
         let inputs = ports(session.inputs())?;
         let outputs = ports(session.outputs())?;
         Ok(ModelSession { path: path.to_path_buf(), session: Mutex::new(session), inputs, outputs })
+    }
+
+    /// The counters of the CPU arena this session allocates from.
+    pub(crate) fn arena_stats(&self) -> Option<ArenaStats> {
+        arena_stats(&self.lock())
     }
 
     pub(crate) fn lock(&self) -> MutexGuard<'_, Session> {

@@ -8,6 +8,7 @@ use std::path::Path;
 
 use ort::environment::Environment;
 
+use super::control::Runs;
 use super::error::{LoadError, RenderError, Stage};
 use super::model::{FolderConfig, TEXT_ENCODER, TEXT_ENCODER_2, TOKENIZER, TOKENIZER_2};
 use super::session::{ModelSession, extract_f32, int_tensor};
@@ -82,15 +83,16 @@ impl Encoder {
         Ok(Encoder { tokenizer, session, input_ids, penultimate })
     }
 
-    fn run(&self, text: &str, extra: Option<&str>) -> Result<EncoderOutput, RenderError> {
+    fn run(&self, text: &str, extra: Option<&str>, runs: &Runs) -> Result<EncoderOutput, RenderError> {
         let ids = self.tokenizer.encode(text).map_err(RenderError::Tokenize)?;
         let ids: Vec<i64> = ids.into_iter().map(i64::from).collect();
         let port = self.session.input(&self.input_ids).expect("checked at load");
         let input = int_tensor(port, &[1, ids.len()], &ids).map_err(RenderError::runtime(Stage::TextEncode))?;
+        runs.check(Stage::TextEncode)?;
         let mut session = self.session.lock();
         let outputs = session
-            .run(ort::inputs![self.input_ids.as_str() => input])
-            .map_err(RenderError::runtime(Stage::TextEncode))?;
+            .run_with_options(ort::inputs![self.input_ids.as_str() => input], runs.plain())
+            .map_err(runs.err(Stage::TextEncode))?;
         let bad = |detail: String| RenderError::Output { stage: Stage::TextEncode, detail };
         let (shape, hidden) = extract_f32(&outputs[self.penultimate.as_str()]).map_err(bad)?;
         if shape.len() != 3 || shape[0] != 1 {
@@ -142,9 +144,9 @@ impl TextEncoders {
     ///
     /// # Errors
     /// [`RenderError::Runtime`] from ONNX Runtime, or [`RenderError::Output`] on unexpected shapes.
-    pub(crate) fn encode(&self, text: &str) -> Result<PromptEmbeds, RenderError> {
-        let EncoderOutput { shape: shape1, hidden: hidden1, .. } = self.first.run(text, None)?;
-        let EncoderOutput { shape: shape2, hidden: hidden2, extra: pooled } = self.second.run(text, Some(&self.pooled))?;
+    pub(crate) fn encode(&self, text: &str, runs: &Runs) -> Result<PromptEmbeds, RenderError> {
+        let EncoderOutput { shape: shape1, hidden: hidden1, .. } = self.first.run(text, None, runs)?;
+        let EncoderOutput { shape: shape2, hidden: hidden2, extra: pooled } = self.second.run(text, Some(&self.pooled), runs)?;
         if shape1[1] != shape2[1] {
             return Err(RenderError::Output {
                 stage: Stage::TextEncode,

@@ -13,9 +13,9 @@ use std::ops::ControlFlow;
 
 use ort::environment::Environment;
 use ort::memory::{AllocationDevice, AllocatorType, MemoryInfo, MemoryType};
-use ort::session::RunOptions;
 use ort::value::DynTensor;
 
+use super::control::Runs;
 use super::error::{LoadError, RenderError, Stage};
 use super::model::{FolderConfig, UNET};
 use super::scheduler::Schedule;
@@ -51,6 +51,8 @@ pub(crate) struct Denoise<'a> {
     /// `[n, c, h, w]`.
     pub latent_shape: [usize; 4],
     pub device: &'a Device,
+    /// This render's run options; the last step's run shrinks the arena when `shrink_arena`.
+    pub runs: &'a Runs,
     pub shrink_arena: bool,
 }
 
@@ -77,6 +79,10 @@ impl Unet {
             .clone();
         let latent_channels = usize::try_from(sample.dims[1]).ok();
         Ok(Unet { session, sample, timestep, encoder_hidden_states, text_embeds, time_ids, output, latent_channels })
+    }
+
+    pub(crate) fn arena_stats(&self) -> Option<super::ArenaStats> {
+        self.session.arena_stats()
     }
 
     pub(crate) fn sample_elem(&self) -> super::session::Elem {
@@ -109,7 +115,7 @@ impl Unet {
         on_step: &mut dyn FnMut(StepProgress) -> ControlFlow<()>,
         on_latents: &mut dyn FnMut(usize, &[f32]),
     ) -> Result<(), RenderError> {
-        let err = RenderError::runtime(Stage::Unet);
+        let err = run.runs.err(Stage::Unet);
         let [n, c, h, w] = run.latent_shape;
         let guided = cond.negative.is_some();
         let batch = if guided { 2 * n } else { n };
@@ -117,9 +123,9 @@ impl Unet {
 
         let mut session = self.session.lock();
         let mut binding = session.create_binding().map_err(err)?;
-        let (device_kind, device_id, shrink_key) = match run.device {
-            Device::Cpu => (AllocationDevice::CPU, 0, "cpu:0".to_owned()),
-            Device::Cuda { gpu, .. } => (AllocationDevice::CUDA, *gpu as i32, format!("gpu:{gpu}")),
+        let (device_kind, device_id) = match run.device {
+            Device::Cpu => (AllocationDevice::CPU, 0),
+            Device::Cuda { gpu, .. } => (AllocationDevice::CUDA, *gpu as i32),
         };
         let resident = |t: DynTensor| -> ort::Result<DynTensor> {
             if device_kind == AllocationDevice::CPU { Ok(t) } else { t.to(device_kind.clone(), device_id) }
@@ -164,14 +170,9 @@ impl Unet {
             binding.bind_input(self.timestep.name.as_str(), &timestep).map_err(err)?;
             binding.bind_output_to_device(self.output.as_str(), &host).map_err(err)?;
 
-            let last = i + 1 == steps;
-            let outputs = if run.shrink_arena && last {
-                let mut options = RunOptions::new().map_err(err)?;
-                options.set("memory.enable_memory_arena_shrinkage", &shrink_key).map_err(err)?;
-                session.run_binding_with_options(&binding, &options).map_err(err)?
-            } else {
-                session.run_binding(&binding).map_err(err)?
-            };
+            run.runs.check(Stage::Unet)?;
+            let options = run.runs.last(run.shrink_arena && i + 1 == steps);
+            let outputs = session.run_binding_with_options(&binding, options).map_err(err)?;
             let (shape, out) = extract_f32(&outputs[0]).map_err(|detail| RenderError::Output { stage: Stage::Unet, detail })?;
             if shape != [batch, c, h, w] {
                 return Err(RenderError::Output {

@@ -1,0 +1,144 @@
+//! Stopping a render from another thread: the worker's per-job time limit.
+//!
+//! Every ONNX Runtime run of a render goes through [`RunOptions`] that a [`CancelHandle`] can
+//! terminate (`RunOptions::terminate`): the graph in progress stops at its next node, and the
+//! render returns [`RenderError::Terminated`]. Between runs the pipeline checks the handle too,
+//! so a cancel between two UNet steps stops the render before the next one.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+
+use ort::session::RunOptions;
+
+use super::error::{RenderError, Stage};
+
+/// Stops renders from another thread. Clones share one state: the worker keeps one clone
+/// (its time limit), the render thread passes another to [`Pipeline::render_cancellable`].
+///
+/// Once cancelled, a handle stays cancelled: every render given it, now or later, stops with
+/// [`RenderError::Terminated`]. Use one handle per job.
+///
+/// [`Pipeline::render_cancellable`]: super::Pipeline::render_cancellable
+#[derive(Clone, Default)]
+pub struct CancelHandle {
+    state: Arc<CancelState>,
+}
+
+#[derive(Default)]
+struct CancelState {
+    cancelled: AtomicBool,
+    /// The run options of renders in progress, terminated on cancel.
+    runs: Mutex<Vec<Weak<RunOptions>>>,
+}
+
+impl CancelHandle {
+    pub fn new() -> CancelHandle {
+        CancelHandle::default()
+    }
+
+    /// Stops the render in progress (ONNX Runtime stops the running graph at its next node;
+    /// this call does not wait for it) and every later render given this handle.
+    pub fn cancel(&self) {
+        // Flag first, then terminate under the lock: `attach` checks the flag under the same
+        // lock, so a run is either terminated here or sees the flag there.
+        self.state.cancelled.store(true, Ordering::SeqCst);
+        let runs = self.state.runs.lock().unwrap_or_else(|p| p.into_inner());
+        for options in runs.iter().filter_map(Weak::upgrade) {
+            if let Err(e) = options.terminate() {
+                tracing::warn!(error = %e, "cannot set the terminate flag of a render");
+            }
+        }
+    }
+
+    pub fn is_cancelled(&self) -> bool {
+        self.state.cancelled.load(Ordering::SeqCst)
+    }
+
+    fn attach(&self, options: &Arc<RunOptions>) -> ort::Result<()> {
+        let mut runs = self.state.runs.lock().unwrap_or_else(|p| p.into_inner());
+        runs.retain(|w| w.strong_count() > 0);
+        runs.push(Arc::downgrade(options));
+        if self.is_cancelled() {
+            options.terminate()?;
+        }
+        Ok(())
+    }
+}
+
+impl std::fmt::Debug for CancelHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CancelHandle").field("cancelled", &self.is_cancelled()).finish()
+    }
+}
+
+/// When a render's runs shrink the arena (run option `memory.enable_memory_arena_shrinkage`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Shrink {
+    Never,
+    /// `AtEnd` if [`Pipeline::request_arena_shrink`] asked since the last render, else `Never`.
+    ///
+    /// [`Pipeline::request_arena_shrink`]: super::Pipeline::request_arena_shrink
+    Requested,
+    /// The last UNet and VAE runs ([`Pipeline::request_arena_shrink`]).
+    ///
+    /// [`Pipeline::request_arena_shrink`]: super::Pipeline::request_arena_shrink
+    AtEnd,
+    /// Every run, text encoders included ([`Pipeline::shrink_arenas`]'s tiny render).
+    ///
+    /// [`Pipeline::shrink_arenas`]: super::Pipeline::shrink_arenas
+    EveryRun,
+}
+
+/// The run options of one render: plain ones, and ones that also shrink the arena; both
+/// terminate with the handle.
+pub(crate) struct Runs {
+    plain: Arc<RunOptions>,
+    shrinking: Option<Arc<RunOptions>>,
+    every_run: bool,
+    handle: CancelHandle,
+}
+
+impl Runs {
+    /// `shrink_key`: the value of `memory.enable_memory_arena_shrinkage` ("cpu:0", "gpu:0").
+    pub(crate) fn new(handle: &CancelHandle, shrink: Shrink, shrink_key: &str) -> Result<Runs, RenderError> {
+        let err = RenderError::runtime(Stage::TextEncode);
+        let plain = Arc::new(RunOptions::new().map_err(err)?);
+        handle.attach(&plain).map_err(err)?;
+        let shrinking = if matches!(shrink, Shrink::Never | Shrink::Requested) {
+            None
+        } else {
+            let mut options = RunOptions::new().map_err(err)?;
+            options.set("memory.enable_memory_arena_shrinkage", shrink_key).map_err(err)?;
+            let options = Arc::new(options);
+            handle.attach(&options).map_err(err)?;
+            Some(options)
+        };
+        Ok(Runs { plain, shrinking, every_run: shrink == Shrink::EveryRun, handle: handle.clone() })
+    }
+
+    /// Options for a run that is not a graph's last of the render.
+    pub(crate) fn plain(&self) -> &RunOptions {
+        self.last(false)
+    }
+
+    /// Options for a run; `is_last`: the graph's last run of the render.
+    pub(crate) fn last(&self, is_last: bool) -> &RunOptions {
+        match &self.shrinking {
+            Some(options) if is_last || self.every_run => options,
+            _ => &self.plain,
+        }
+    }
+
+    /// [`RenderError::Terminated`] once the handle is cancelled.
+    pub(crate) fn check(&self, stage: Stage) -> Result<(), RenderError> {
+        if self.handle.is_cancelled() { Err(RenderError::Terminated { stage }) } else { Ok(()) }
+    }
+
+    /// Maps an ONNX Runtime error of `stage`: a run stopped by the handle becomes
+    /// [`RenderError::Terminated`], anything else stays [`RenderError::Runtime`].
+    pub(crate) fn err(&self, stage: Stage) -> impl Fn(ort::Error) -> RenderError + Copy + '_ {
+        move |source| {
+            if self.handle.is_cancelled() { RenderError::Terminated { stage } } else { RenderError::Runtime { stage, source } }
+        }
+    }
+}
