@@ -245,10 +245,8 @@ impl ModelSession {
         if options.cpu_arena_max_mem.is_some() {
             // The environment's capped arena (see `cap_cpu_arena`) instead of one per session;
             // weights outside it, so the cap bounds activations, as `gpu_mem_limit` does.
-            builder = builder
-                .with_env_allocators()
-                .and_then(|b| b.with_device_allocated_initializers())
-                .map_err(|e| session_err(e.into()))?;
+            builder = builder.with_env_allocators().map_err(|e| session_err(e.into()))?;
+            builder = builder.with_device_allocated_initializers().map_err(|e| session_err(e.into()))?;
         }
         builder = configure_device(builder, &options.device).map_err(session_err)?;
         let session = builder.commit_from_file(path).map_err(session_err)?;
