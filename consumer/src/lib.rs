@@ -11,6 +11,7 @@
 
 pub mod budget;
 pub mod config;
+pub mod failure;
 pub mod faults;
 pub mod pipeline;
 pub mod store;

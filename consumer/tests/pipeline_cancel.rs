@@ -8,6 +8,7 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use pipeline_support::tiny_pipeline;
+use shotfleet_consumer::failure::{ErrorKind, classify_render};
 use shotfleet_consumer::pipeline::{CancelHandle, RenderControl, RenderError, RenderRequest, Stage};
 
 fn request(side: u32, steps: u32) -> RenderRequest {
@@ -51,6 +52,7 @@ fn cancel_terminates_the_graph_run_in_progress() {
     let returned = Instant::now();
     let cancelled = timer.join().unwrap();
     assert!(matches!(err, RenderError::Terminated { stage: Stage::Vae }), "{err}");
+    assert_eq!(classify_render(&err), ErrorKind::Timeout);
     assert_eq!(err.stage(), Some(Stage::Vae));
     assert!(err.message().is_none(), "not reported as an ONNX Runtime failure: {err}");
     eprintln!("returned {:?} after the cancel", returned.duration_since(cancelled));

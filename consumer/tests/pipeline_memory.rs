@@ -20,6 +20,7 @@ mod pipeline_support;
 use std::ops::ControlFlow;
 
 use pipeline_support::{cpu_options, model_dir, require_ort};
+use shotfleet_consumer::failure::{ErrorKind, classify_render};
 use shotfleet_consumer::pipeline::{
     LoadError, Pipeline, PipelineOptions, RenderControl, RenderError, RenderRequest, Stage, StepProgress, VaeDecode,
 };
@@ -81,6 +82,7 @@ fn a_unet_batch_too_large_fails_for_real_and_one_at_a_time_fits() {
     let pipeline = capped();
     let err = pipeline.render(&request(384, 6, 6, 6.0), &mut go).unwrap_err();
     assert_arena_oom(&err, Stage::Unet);
+    assert_eq!(classify_render(&err), ErrorKind::Oom);
 
     // The first rung, in place: the same job one image per UNet batch.
     pipeline.shrink_arenas().unwrap();
@@ -107,6 +109,7 @@ fn a_whole_decode_too_large_fails_and_the_tiled_decode_fits() {
     let err = pipeline.render(&request(512, 1, 1, 1.0), &mut go).unwrap_err();
     // The decoder's mid-block attention over 64x64 latents: 4096 x 4096 f32 in one piece.
     let (_, requested) = assert_arena_oom(&err, Stage::Vae);
+    assert_eq!(classify_render(&err), ErrorKind::Oom);
     assert_eq!(requested, 4096 * 4096 * 4);
 }
 
