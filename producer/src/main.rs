@@ -262,6 +262,36 @@ fn print_table(shots: &[storyboard::Shot], outcomes: &std::collections::HashMap<
         println!("{:<24} {:<12} {:<4} {:<9} {:>6} {:>9}  {detail}", job.job_id, job.shot_id, shot.priority, status, images, render);
     }
     println!("{done} done, {degraded} degraded, {failed} failed");
+    print_waits(shots, outcomes);
+}
+
+/// Queue wait per priority: how long jobs sat in the stream before a worker took them.
+fn print_waits(shots: &[storyboard::Shot], outcomes: &std::collections::HashMap<String, Outcome>) {
+    for priority in shotfleet_schema::Priority::ALL {
+        let mut waits: Vec<u64> = shots
+            .iter()
+            .filter(|s| s.priority == priority)
+            .filter_map(|s| match outcomes.get(&s.job.job_id) {
+                Some(Outcome::Done(result)) => Some(result.timing.queue_ms),
+                _ => None,
+            })
+            .collect();
+        if waits.is_empty() {
+            continue;
+        }
+        waits.sort_unstable();
+        let mean = waits.iter().sum::<u64>() as f64 / waits.len() as f64 / 1000.0;
+        let max = *waits.last().unwrap_or(&0) as f64 / 1000.0;
+        let images: usize = shots
+            .iter()
+            .filter(|s| s.priority == priority)
+            .filter_map(|s| match outcomes.get(&s.job.job_id) {
+                Some(Outcome::Done(result)) => Some(result.images.len()),
+                _ => None,
+            })
+            .sum();
+        println!("{priority}: {} shots, {images} images, queue wait mean {mean:.1}s, max {max:.1}s", waits.len());
+    }
 }
 
 async fn show_status(options: &NatsOptions) -> Result<u8, Failure> {

@@ -48,7 +48,7 @@ pub use config::{BudgetConfig, ConfigError, MIB, SimulateConfig};
 pub use estimate::{Estimate, EstimateError, Sample, Shape};
 pub use fingerprint::{FingerprintError, FingerprintKey, FingerprintStore};
 pub use nvml::NvmlProbe;
-pub use probe::{GpuProbe, GpuSnapshot, PeakWindow, ProbeError};
+pub use probe::{GpuProbe, GpuSnapshot, PeakMeter, PeakWindow, ProbeError};
 pub use simulated::{SIMULATED_DEVICE, SimulatedGpu};
 pub use water::Water;
 

@@ -223,3 +223,41 @@ mod tests {
         assert_eq!(quick.finish(), 70);
     }
 }
+
+/// Measures renders against one fixed baseline: the usage right after the models loaded.
+///
+/// A [`PeakWindow`] sees only growth, and an arena reuses what it already holds, so a render
+/// that fits in memory cached by an earlier one looks free. Measured from the post-load
+/// baseline instead, a render's peak is everything it needed above the models, cached or not:
+/// exact for calibration (probes run smallest first, so each one's arena is its own) and an
+/// upper bound afterwards (a cache left by a larger job counts), which errs on the safe side.
+pub struct PeakMeter {
+    probe: std::sync::Arc<dyn GpuProbe>,
+    baseline: u64,
+}
+
+impl PeakMeter {
+    /// Takes the baseline now: call it right after the models load, before any render.
+    ///
+    /// # Errors
+    ///
+    /// The probe could not read the usage.
+    pub fn new(probe: std::sync::Arc<dyn GpuProbe>) -> Result<Self, ProbeError> {
+        let baseline = probe.start_peak()?;
+        probe.peak_since_start()?;
+        Ok(Self { probe, baseline })
+    }
+
+    /// Runs `work` and returns its output with the peak usage above the baseline, bytes. One
+    /// measurement at a time per process (the probe's high-water mark is process-wide).
+    ///
+    /// # Errors
+    ///
+    /// The probe could not read the usage.
+    pub fn measure<T>(&self, work: impl FnOnce() -> T) -> Result<(T, u64), ProbeError> {
+        self.probe.start_peak()?;
+        let output = work();
+        let peak = self.probe.peak_since_start()?;
+        Ok((output, peak.saturating_sub(self.baseline)))
+    }
+}

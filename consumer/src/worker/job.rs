@@ -27,8 +27,8 @@ pub async fn handle(shared: Arc<Shared>, delivery: Delivery) {
 
     let job = match decode(&shared, &delivery) {
         Ok(job) => job,
-        Err(invalid) => {
-            failed::fail(&shared, &delivery, None, FailureReason::Invalid, &invalid.to_string()).await;
+        Err((job_id, invalid)) => {
+            failed::fail(&shared, &delivery, job_id.as_deref(), FailureReason::Invalid, &invalid.to_string()).await;
             telemetry::job_finished(JobOutcome::Failed, origin.priority, origin.class);
             return;
         }
@@ -40,16 +40,20 @@ pub async fn handle(shared: Arc<Shared>, delivery: Delivery) {
     telemetry::job_finished(outcome, origin.priority, SubjectClass::Class(job.class()));
 }
 
-/// Decodes and validates; a job that can never be rendered is reported as such.
-fn decode(shared: &Shared, delivery: &Delivery) -> Result<ShotJob, InvalidJob> {
-    let job = encoding::parse_job(delivery.content_type().as_deref(), &delivery.message.payload, &shared.config.limits)?;
+/// Decodes and validates. A job that can never be rendered is returned as an error, with its
+/// id when the payload was readable enough to have one (the failed record then names it).
+fn decode(shared: &Shared, delivery: &Delivery) -> Result<ShotJob, (Option<String>, InvalidJob)> {
+    let job = encoding::decode_job(delivery.content_type().as_deref(), &delivery.message.payload)
+        .map_err(|e| (None, InvalidJob::Decode(e)))?;
+    let named = |e: InvalidJob| (Some(job.job_id.clone()), e);
+    job.validate(&shared.config.limits).map_err(|e| named(InvalidJob::Invalid(e)))?;
     let subject_project = delivery.subject_project();
     if job.project != subject_project {
-        return Err(InvalidJob::Decode(encoding::DecodeError::Malformed {
+        return Err(named(InvalidJob::Decode(encoding::DecodeError::Malformed {
             format: "subject",
             path: "project".into(),
             detail: format!("payload project `{}` was published under project `{subject_project}`", job.project),
-        }));
+        })));
     }
     Ok(job)
 }
@@ -67,7 +71,7 @@ async fn render_and_commit(shared: &Arc<Shared>, delivery: &Delivery, job: &Shot
             return JobOutcome::DuplicateSkip;
         }
         Ok(None) => {}
-        Err(e) => return nak_transient(delivery, job, &e.to_string()).await,
+        Err(e) => return nak_transient(shared, delivery, job, &e.to_string()).await,
     }
 
     // 2. Plan: the largest sub-batch of this job's images that the budget holds now.
@@ -89,7 +93,7 @@ async fn render_and_commit(shared: &Arc<Shared>, delivery: &Delivery, job: &Shot
     let upload_started = Instant::now();
     let images = match upload(shared, job, output.output.images).await {
         Ok(images) => images,
-        Err(e) => return nak_transient(delivery, job, &e).await,
+        Err(e) => return nak_transient(shared, delivery, job, &e).await,
     };
     telemetry::upload_time(upload_started.elapsed());
     shared.config.faults.crash_point(CrashPoint::AfterUpload);
@@ -123,7 +127,7 @@ async fn render_and_commit(shared: &Arc<Shared>, delivery: &Delivery, job: &Shot
             info!(job = %job.job_id, winner = %theirs.worker, "another worker committed this job first; keeping its images");
             theirs
         }
-        Err(e) => return nak_transient(delivery, job, &e.to_string()).await,
+        Err(e) => return nak_transient(shared, delivery, job, &e.to_string()).await,
     };
     shared.config.faults.crash_point(CrashPoint::AfterPublish);
 
@@ -198,22 +202,28 @@ async fn render(
 
     let keeper = tokio::spawn(keep_alive(delivery.clone(), shared.progress_interval, shared.config.faults.stall().is_some()));
     let pipeline = shared.pipeline.clone();
-    let budget = shared.budget.clone();
+    let meter = shared.meter.clone();
     let flag = timed_out.clone();
     let outcome = tokio::task::spawn_blocking(move || {
-        let window = budget.peak_window().ok();
-        let result = pipeline.render(&request, &mut |_| {
-            if abort.is_cancelled() {
-                return ControlFlow::Break(());
-            }
-            if started.elapsed() > limit {
-                flag.store(true, Ordering::Relaxed);
-                return ControlFlow::Break(());
-            }
-            ControlFlow::Continue(())
-        });
-        let peak = window.and_then(|w| w.finish().ok());
-        (result, peak)
+        let render = || {
+            pipeline.render(&request, &mut |_| {
+                if abort.is_cancelled() {
+                    return ControlFlow::Break(());
+                }
+                if started.elapsed() > limit {
+                    flag.store(true, Ordering::Relaxed);
+                    return ControlFlow::Break(());
+                }
+                ControlFlow::Continue(())
+            })
+        };
+        match meter {
+            Some(meter) => match meter.measure(render) {
+                Ok((result, peak)) => (result, Some(peak)),
+                Err(_) => (render(), None),
+            },
+            None => (render(), None),
+        }
     })
     .await;
     keeper.abort();
@@ -224,10 +234,10 @@ async fn render(
     };
     if let (Ok(_), Some(peak)) = (&result, peak) {
         let shape = reservation.shape();
-        let estimated = reservation.bytes();
+        let planned = shared.budget.planned(shape.width, shape.height, shape.images);
         let error = shared.budget.observe(shape.width, shape.height, shape.images, peak);
-        telemetry::estimate_error(estimated, peak);
-        tracing::debug!(job = %job.job_id, peak, estimated, error, "observed peak");
+        telemetry::estimate_error(planned, peak);
+        tracing::debug!(job = %job.job_id, peak, planned, error, "observed peak");
     }
     drop(reservation);
     match result {
@@ -259,23 +269,23 @@ async fn settle_render_failure(shared: &Shared, delivery: &Delivery, job: &ShotJ
             JobOutcome::Nak
         }
         RenderFailure::TimeLimit(took) => {
-            nak_transient(delivery, job, &format!("render stopped at the time limit after {:.1}s", took.as_secs_f64())).await
+            nak_transient(shared, delivery, job, &format!("render stopped at the time limit after {:.1}s", took.as_secs_f64())).await
         }
         RenderFailure::Error(RenderError::InvalidRequest(detail)) => {
             failed::fail(shared, delivery, Some(&job.job_id), FailureReason::Invalid, &format!("this model cannot render it: {detail}")).await;
             JobOutcome::Failed
         }
-        RenderFailure::Error(e) => {
-            if delivery.attempt >= shared.max_deliver {
-                failed::fail(shared, delivery, Some(&job.job_id), FailureReason::MaxDeliveries, &e.to_string()).await;
-                return JobOutcome::Failed;
-            }
-            nak_transient(delivery, job, &e.to_string()).await
-        }
+        RenderFailure::Error(e) => nak_transient(shared, delivery, job, &e.to_string()).await,
     }
 }
 
-async fn nak_transient(delivery: &Delivery, job: &ShotJob, detail: &str) -> JobOutcome {
+/// A failure that may pass: nak with backoff, or on the last allowed delivery, a failed record
+/// (the server would not deliver the job again).
+async fn nak_transient(shared: &Shared, delivery: &Delivery, job: &ShotJob, detail: &str) -> JobOutcome {
+    if delivery.attempt >= shared.max_deliver {
+        failed::fail(shared, delivery, Some(&job.job_id), FailureReason::MaxDeliveries, detail).await;
+        return JobOutcome::Failed;
+    }
     let delay = backoff(delivery.attempt);
     warn!(job = %job.job_id, attempt = delivery.attempt, retry_in_s = delay.as_secs(), detail, "job failed, will retry");
     delivery.nak(Some(delay)).await;

@@ -58,6 +58,9 @@ pub struct Shared {
     pub results: jetstream::stream::Stream,
     pub store: Store,
     pub budget: Budget,
+    /// Measures each render's peak for the budget to learn from (one at a time: with
+    /// `concurrency > 1` renders overlap and are not measured).
+    pub meter: Option<Arc<crate::budget::PeakMeter>>,
     pub pipeline: Arc<Pipeline>,
     /// The device's name as the probe reports it (`NVIDIA H200`, `simulated (cpu)`).
     pub device_name: String,
@@ -124,12 +127,14 @@ pub async fn run(
     })?;
     let device_name = ready.probe.snapshot().map(|s| s.device).unwrap_or_else(|_| "unknown".into());
     let progress_interval = config.progress_interval.map(|s| s.0).unwrap_or(ack_wait / 3).max(Duration::from_millis(100));
+    let meter = (config.concurrency == 1).then_some(ready.meter);
     let shared = Arc::new(Shared {
         config,
         js,
         results,
         store,
         budget: ready.budget,
+        meter,
         pipeline: ready.pipeline,
         device_name,
         progress_interval,

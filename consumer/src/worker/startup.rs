@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use tracing::info;
 
-use crate::budget::{self, Budget, Estimate, FingerprintKey, FingerprintStore, GpuProbe, PeakWindow, Sample, Shape};
+use crate::budget::{self, Budget, Estimate, FingerprintKey, FingerprintStore, GpuProbe, PeakMeter, Sample, Shape};
 use crate::config::{DeviceKind, WorkerConfig};
 use crate::pipeline::{Device, Pipeline, PipelineOptions, RenderRequest};
 use crate::worker::WorkerError;
@@ -18,6 +18,8 @@ pub struct Ready {
     pub pipeline: Arc<Pipeline>,
     pub budget: Budget,
     pub probe: Arc<dyn GpuProbe>,
+    /// Peaks above the post-load baseline, for learning from jobs.
+    pub meter: Arc<PeakMeter>,
 }
 
 /// Loads, calibrates (or reuses a stored fingerprint) and runs a fitness render.
@@ -34,6 +36,7 @@ pub async fn prepare(config: &WorkerConfig) -> Result<Ready, WorkerError> {
     let pipeline = Arc::new(pipeline);
     let after = probe.snapshot().map_err(|e| start("read the GPU", e))?;
     let resident = after.resident_since(&before);
+    let meter = Arc::new(PeakMeter::new(probe.clone()).map_err(|e| start("measure the baseline", e))?);
     info!(model = %pipeline.info().name, device = %after.device, resident_mib = resident / budget::MIB, load_s = started.elapsed().as_secs_f64(), "models loaded");
 
     let key = FingerprintKey {
@@ -47,7 +50,7 @@ pub async fn prepare(config: &WorkerConfig) -> Result<Ready, WorkerError> {
         Some(estimate) => {
             // Still one render: the fitness check proves the card and the runtime work.
             let [w, h, n] = config.calibration.shapes[0];
-            measure(&pipeline, &*probe, Shape::new(w, h, n), config.calibration.steps).await?;
+            measure(&pipeline, &meter, Shape::new(w, h, n), config.calibration.steps).await?;
             info!("calibration reused from a stored fingerprint");
             estimate
         }
@@ -55,7 +58,7 @@ pub async fn prepare(config: &WorkerConfig) -> Result<Ready, WorkerError> {
             let mut samples = Vec::new();
             for &[w, h, n] in &config.calibration.shapes {
                 let shape = Shape::new(w, h, n);
-                let peak = measure(&pipeline, &*probe, shape, config.calibration.steps).await?;
+                let peak = measure(&pipeline, &meter, shape, config.calibration.steps).await?;
                 info!(width = w, height = h, images = n, peak_mib = peak as f64 / budget::MIB as f64, "probe render");
                 samples.push(Sample { shape, peak_bytes: peak });
             }
@@ -67,8 +70,30 @@ pub async fn prepare(config: &WorkerConfig) -> Result<Ready, WorkerError> {
         }
     };
     let budget = Budget::new(config.budget.clone(), probe.clone(), estimate, resident).map_err(|e| start("configure the budget", e))?;
+    log_budget(&budget, &config.classes);
     info!(warmup_s = started.elapsed().as_secs_f64(), "worker ready");
-    Ok(Ready { pipeline, budget, probe })
+    Ok(Ready { pipeline, budget, probe, meter })
+}
+
+/// What the operator wants to see at start: the card, the room, and what one image of each
+/// served class is planned to need.
+fn log_budget(budget: &Budget, classes: &[shotfleet_schema::MemoryClass]) {
+    let Ok(status) = budget.status() else { return };
+    let (a, b) = budget.estimate().coefficients();
+    info!(
+        device = %status.device,
+        total_mib = status.total / budget::MIB,
+        used_mib = status.used / budget::MIB,
+        resident_mib = status.resident / budget::MIB,
+        budget_mib = status.budget / budget::MIB,
+        fixed_mib = a / budget::MIB as f64,
+        bytes_per_latent_pixel = b,
+        "budget"
+    );
+    for class in classes {
+        let side = class.max_pixels().map_or(budget.config().xl_max_side, |p| (p as f64).sqrt() as u32);
+        info!(class = %class, side, planned_mib = budget.planned(side, side, 1) / budget::MIB, "one image of the class at its largest");
+    }
 }
 
 /// The pipeline's options: on a GPU, ONNX Runtime's arena is capped at what the budget could
@@ -85,13 +110,10 @@ fn pipeline_options(config: &WorkerConfig, total: u64, free: u64) -> PipelineOpt
     PipelineOptions { device, intra_threads: config.intra_threads, ..PipelineOptions::default() }
 }
 
-/// One probe render of `shape`, returning the peak memory it added.
-async fn measure(pipeline: &Arc<Pipeline>, probe: &dyn GpuProbe, shape: Shape, steps: u32) -> Result<u64, WorkerError> {
-    // Each probe ends by shrinking the arena, so the next one starts from the models alone and
-    // its peak is its own, not what the previous probe left cached.
-    pipeline.request_arena_shrink();
-    let window = PeakWindow::start(probe).map_err(|e| start("measure a probe render", e))?;
+/// One probe render of `shape`, returning its peak memory above the models.
+async fn measure(pipeline: &Arc<Pipeline>, meter: &Arc<PeakMeter>, shape: Shape, steps: u32) -> Result<u64, WorkerError> {
     let pipeline = pipeline.clone();
+    let meter = meter.clone();
     let request = RenderRequest {
         prompt: "calibration: a lighthouse on a cliff".into(),
         negative_prompt: Some("blurry".into()),
@@ -103,10 +125,12 @@ async fn measure(pipeline: &Arc<Pipeline>, probe: &dyn GpuProbe, shape: Shape, s
         image_indices: (0..shape.images).collect(),
         max_batch: shape.images as usize,
     };
-    blocking(move || pipeline.render(&request, &mut |_| std::ops::ControlFlow::Continue(())))
+    let what = format!("render a {}x{}x{} probe", shape.width, shape.height, shape.images);
+    let (rendered, peak) = blocking(move || meter.measure(|| pipeline.render(&request, &mut |_| std::ops::ControlFlow::Continue(()))))
         .await?
-        .map_err(|e| start(&format!("render a {}x{}x{} probe", shape.width, shape.height, shape.images), e))?;
-    window.finish().map_err(|e| start("measure a probe render", e))
+        .map_err(|e| start("measure a probe render", e))?;
+    rendered.map_err(|e| start(&what, e))?;
+    Ok(peak)
 }
 
 fn start(step: &str, e: impl std::fmt::Display) -> WorkerError {

@@ -1,0 +1,344 @@
+#!/usr/bin/env bash
+# The GPU lease of issue gpu-speed, one device `run` call per line of deploy/gpu/README.md.
+#
+#   bash deploy/gpu/lease.sh STAGE [STAGE ...]      (from the repository root on the GPU machine)
+#
+# Stages, in lease order:
+#   part N          copy ORT piece .gpu/cN (N = 0..3) to /root/parts; part 0 also records the machine;
+#                   a carried .whl/ is installed into /root/site (README: with part 3)
+#   install         piece c4, onnxruntime-gpu 1.31.1 unpacked into /root/site, .gpu/w installed there,
+#                   the CUDA provider checked on the tiny fixture (bench_unet.py, a few variants)
+#   export          random-weight SDXL-base: text encoders (fp16) and VAE decoder (fp32, force_upcast)
+#                   into /root/sdxl and the fp32 UNet into /root/sdxl-fp32, two processes side by side
+#   optimize-start  numpy 2.2.6 from .gpu/np into /root/np; then, in the background (setsid: it outlives
+#                   the call), ORT's fused optimizer fp32 UNet -> /root/sdxl/unet (fp16), and the plain
+#                   fp16 conversion -> /root/sdxl-unfused (UNFUSED=0 skips it); both use the CPU only
+#   diffusers       onnx/bench_diffusers.py, eager then compiled -> diffusers.json
+#   optimize-wait   waits for the background jobs of optimize-start
+#   unet            optimize-wait, then onnx/bench_unet.py -> unet.json
+#   fleet           optimize-wait, then deploy/gpu/fleet.sh with binaries from .gpu/bin -> fleet.json
+#   report          deploy/gpu/report.py over /root/results -> report.md, report.json, results.tar.gz
+#
+# /root/results keeps every figure and log between the calls of a lease; each stage also copies its
+# own files to $OUT (at most 8 files come back per call). A failed stage stops the stages after it in
+# the same command, except report. Knobs: CALL_LIMIT_S (560: stages size their budgets to end
+# before it), DIFFUSERS_BUDGET_S, UNET_BUDGET_S, DIFFUSERS_ARGS, UNET_ARGS, UNFUSED, LEASE_ROOT, and
+# for a dry run of the stages on a CPU machine (deploy/gpu/README.md): EXPORT_SOURCE (--tiny-config
+# instead of --random-weights), EXPORT_ARGS, OPTIMIZE_ARGS (--cpu).
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/../.." || exit 1
+
+ROOT=${LEASE_ROOT:-/root}
+RESULTS=$ROOT/results
+SITE=$ROOT/site
+NP=$ROOT/np
+SDXL=$ROOT/sdxl
+SDXL32=$ROOT/sdxl-fp32
+UNFUSED_DIR=$ROOT/sdxl-unfused
+OUT=${OUT:-$ROOT/out}
+CALL_LIMIT_S=${CALL_LIMIT_S:-560}
+REPO=$PWD
+export PYTHONUNBUFFERED=1
+mkdir -p "$RESULTS" "$OUT"
+
+log() { echo "[$(date +%T) +${SECONDS}s] $*"; }
+left() { echo $((CALL_LIMIT_S - SECONDS)); }
+min() { if [ "$1" -lt "$2" ]; then echo "$1"; else echo "$2"; fi; }
+to_out() { local f; for f in "$@"; do [ -f "$f" ] && cp "$f" "$OUT/"; done; return 0; }
+
+nvidia_libs() {
+    local d=/opt/torch/.venv/lib/python3.12/site-packages/nvidia
+    if [ ! -d "$d" ]; then
+        d=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/nvidia
+    fi
+    echo "$d"
+}
+
+ort_env() {
+    local nv
+    nv=$(nvidia_libs)
+    export PYTHONPATH=$SITE
+    export ORT_DYLIB_PATH=$SITE/onnxruntime/capi/libonnxruntime.so.1.31.1
+    export LD_LIBRARY_PATH=$nv/cu13/lib:$nv/cudnn/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+    export PATH=$SITE/bin:$PATH
+}
+
+install_whl() {
+    log "installing .whl/*.whl into $SITE"
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl
+}
+
+machine_info() {
+    {
+        date -Is
+        uname -a
+        nproc
+        free -g
+        df -h "$ROOT"
+        nvidia-smi
+        nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm,power.limit,temperature.gpu \
+            --format=csv
+        python3 -c 'import sys, torch, numpy; print(sys.version); print("torch", torch.__version__, torch.version.cuda, torch.backends.cudnn.version()); print("numpy", numpy.__version__)'
+        python3 -m pip list 2>/dev/null | grep -i -E '^(onnx|onnxruntime|transformers|tokenizers|diffusers|nvidia-ml-py|nvidia-cudnn|triton) '
+    } > "$RESULTS/machine.txt" 2>&1
+    cat "$RESULTS/machine.txt"
+    to_out "$RESULTS/machine.txt"
+}
+
+stage_part() {
+    local n=${1:-}
+    case "$n" in 0|1|2|3) ;; *) echo "part needs a piece number 0..3" >&2; return 2 ;; esac
+    [ -d ".gpu/c$n" ] || { echo "carry .gpu/c$n in this call" >&2; return 2; }
+    mkdir -p "$ROOT/parts" && cp ".gpu/c$n"/* "$ROOT/parts/" || return
+    ls -l "$ROOT/parts"
+    if [ "$n" = 0 ]; then machine_info; fi
+    if compgen -G '.whl/*.whl' > /dev/null; then install_whl || return; fi
+}
+
+stage_install() {
+    if [ ! -d .gpu/c4 ] || [ ! -d .gpu/w ]; then echo "carry .gpu/c4 and .gpu/w in this call" >&2; return 2; fi
+    mkdir -p "$ROOT/parts" "$SITE"
+    cp .gpu/c4/* "$ROOT/parts/" || return
+    local n
+    n=$(find "$ROOT/parts" -name 'part[0-4]' | wc -l)
+    if [ "$n" != 5 ]; then
+        ls -l "$ROOT/parts"
+        echo "$n of 5 ORT pieces in $ROOT/parts: run part 0..3 first (a fresh machine starts bare)" >&2
+        return 3
+    fi
+    rm -rf "$SITE/onnxruntime" "$SITE"/onnxruntime_gpu-*.dist-info
+    log "unpacking onnxruntime-gpu into $SITE"
+    cat "$ROOT"/parts/part0 "$ROOT"/parts/part1 "$ROOT"/parts/part2 "$ROOT"/parts/part3 "$ROOT"/parts/part4 \
+        | xz -dc -T8 | tar xf - -C "$SITE" || return
+    python3 -m pip install -q --no-index --no-deps --upgrade --target "$SITE" .gpu/w/*.whl || return
+    if compgen -G '.whl/*.whl' > /dev/null; then install_whl || return; fi
+    rm -rf "$ROOT/parts"
+    ort_env
+    {
+        python3 -c 'import onnxruntime as o; print("onnxruntime", o.__version__, o.__file__); print("providers", o.get_available_providers())'
+        python3 -c 'import diffusers, importlib.util as u; print("diffusers", diffusers.__version__, diffusers.__file__); print("open_clip vocabulary package found:", u.find_spec("open_clip") is not None)'
+        ls -l "$SITE/bin"
+        "$SITE/bin/nats-server" --version
+    } 2>&1 | tee "$RESULTS/install.txt"
+    to_out "$RESULTS/install.txt"
+    grep -q CUDAExecutionProvider "$RESULTS/install.txt" || { echo "no CUDA provider in this onnxruntime" >&2; return 4; }
+    log "smoke test: bench_unet.py on the tiny fixture with the CUDA provider"
+    timeout -k 5 120 python3 onnx/bench_unet.py --model onnx/tiny/model/unet/model.onnx --size 64 --iters 5 \
+        --variants cuda_graph,sdpa_flash --no-combos --budget-s 60 --out "$RESULTS/unet-tiny.json" \
+        > "$RESULTS/unet-tiny.log" 2>&1
+    tail -12 "$RESULTS/unet-tiny.log"
+    to_out "$RESULTS/unet-tiny.json"
+    return 0  # the smoke test informs; the unet stage is where it counts
+}
+
+stage_export() {
+    local extra=() source=${EXPORT_SOURCE:---random-weights}
+    read -r -a extra <<< "${EXPORT_ARGS:-}"
+    ort_env
+    [ -f "$SITE/onnxruntime/__init__.py" ] || { echo "run install first" >&2; return 3; }
+    rm -rf "$SDXL" "$SDXL32" "$ROOT"/.fp32-*
+    log "exporting: text encoders + VAE -> $SDXL (fp16) and UNet -> $SDXL32 (fp32), side by side"
+    (
+        s=$SECONDS
+        python3 onnx/export_sdxl.py "$source" --fp16 --parts text_encoder,text_encoder_2,vae_decoder \
+            --out "$SDXL" "${extra[@]}" > "$RESULTS/export-a.log" 2>&1
+        rc=$?
+        echo "export-a rc $rc in $((SECONDS - s)) s" >> "$RESULTS/export.txt"
+        exit $rc
+    ) &
+    local pa=$!
+    (
+        s=$SECONDS
+        python3 onnx/export_sdxl.py "$source" --parts unet --out "$SDXL32" "${extra[@]}" \
+            > "$RESULTS/export-b.log" 2>&1
+        rc=$?
+        echo "export-b rc $rc in $((SECONDS - s)) s" >> "$RESULTS/export.txt"
+        exit $rc
+    ) &
+    local pb=$! ra=0 rb=0
+    wait "$pa" || ra=$?
+    wait "$pb" || rb=$?
+    tail -n 8 "$RESULTS/export-a.log" "$RESULTS/export-b.log"
+    du -sh "$SDXL"/* "$SDXL32"/unet >> "$RESULTS/export.txt" 2>&1
+    cat "$RESULTS/export.txt"
+    to_out "$RESULTS/export.txt" "$RESULTS/export-a.log" "$RESULTS/export-b.log"
+    if [ "$ra" != 0 ] || [ "$rb" != 0 ]; then return 5; fi
+    local f
+    for f in "$SDXL/text_encoder/model.onnx" "$SDXL/text_encoder_2/model.onnx" "$SDXL/vae_decoder/model.onnx" \
+        "$SDXL/unet/config.json" "$SDXL32/unet/model.onnx"; do
+        [ -f "$f" ] || { echo "missing after export: $f" >&2; return 5; }
+    done
+}
+
+stage_optimize_start() {
+    [ -f "$SDXL32/unet/model.onnx" ] || { echo "no fp32 UNet in $SDXL32: run export first" >&2; return 3; }
+    if [ ! -f "$NP/numpy/__init__.py" ]; then
+        [ -d .gpu/np ] || { echo "carry .gpu/np in this call" >&2; return 2; }
+        python3 -m pip install -q --no-index --no-deps --target "$NP" .gpu/np/*.whl || return
+    fi
+    ort_env
+    # Copies, so a later call's fresh working tree cannot change what the background jobs run.
+    mkdir -p "$ROOT/scripts" "$SDXL/unet"
+    cp onnx/optimize_unet.py onnx/to_fp16.py "$ROOT/scripts/" || return
+    rm -f "$ROOT/optimize.rc" "$ROOT/unfused.rc" "$ROOT/optimize.done" "$SDXL/unet/model.onnx" "$SDXL/unet/model.onnx_data"
+    log "starting ORT's optimizer on the fp32 UNet (numpy 2.2.6 first on its path)"
+    # shellcheck disable=SC2016 # the inner script expands its own arguments
+    setsid nohup bash -c 's=$SECONDS; PYTHONPATH="$1:$2" python3 "$3/scripts/optimize_unet.py" "$4/unet/model.onnx" "$5/unet/model.onnx" $6; echo "$? $((SECONDS - s))" > "$3/optimize.rc"' \
+        _ "$NP" "$SITE" "$ROOT" "$SDXL32" "$SDXL" "${OPTIMIZE_ARGS:-}" > "$RESULTS/optimize.log" 2>&1 < /dev/null &
+    echo $! > "$ROOT/optimize.pid"
+    if [ "${UNFUSED:-1}" = 1 ]; then
+        log "starting the plain fp16 conversion of the fp32 UNet -> $UNFUSED_DIR"
+        rm -rf "$UNFUSED_DIR"
+        # shellcheck disable=SC2016 # the inner script expands its own arguments
+        setsid nohup bash -c 's=$SECONDS; python3 "$1/scripts/to_fp16.py" "$2" "$3"; echo "$? $((SECONDS - s))" > "$1/unfused.rc"' \
+            _ "$ROOT" "$SDXL32" "$UNFUSED_DIR" > "$RESULTS/unfused.log" 2>&1 < /dev/null &
+        echo $! > "$ROOT/unfused.pid"
+    fi
+    sleep 5
+    tail -n 3 "$RESULTS/optimize.log"
+}
+
+alive() { [ -f "$1" ] && kill -0 "$(cat "$1")" 2> /dev/null; }
+
+# wait_job NAME LIMIT_S: 0 when NAME.rc says 0; 1 when it failed, died or is not done in time
+wait_job() {
+    local name=$1 limit=$2 t0=$SECONDS last=$SECONDS
+    while [ ! -f "$ROOT/$name.rc" ]; do
+        if ! alive "$ROOT/$name.pid"; then
+            [ -f "$ROOT/$name.rc" ] && break
+            echo "$name: not running and no result (never started, or killed)" >&2
+            return 1
+        fi
+        if [ $((SECONDS - t0)) -ge "$limit" ]; then
+            echo "$name: still running after waiting $limit s" >&2
+            return 1
+        fi
+        if [ $((SECONDS - last)) -ge 60 ]; then
+            log "waiting for $name: $(tail -n 1 "$RESULTS/$name.log" 2> /dev/null)"
+            last=$SECONDS
+        fi
+        sleep 3
+    done
+    local rc secs
+    read -r rc secs < "$ROOT/$name.rc"
+    log "$name: exit $rc after $secs s"
+    printf '{"stage": "%s (background)", "seconds": %s, "rc": %s}\n' "$name" "${secs:-0}" "${rc:-1}" \
+        >> "$RESULTS/stages.jsonl"
+    [ "$rc" = 0 ]
+}
+
+stage_optimize_wait() {
+    local rc=0
+    if [ -f "$ROOT/optimize.done" ]; then
+        return 0
+    fi
+    wait_job optimize "$(($(left) - 120))" || rc=$?
+    tail -n 5 "$RESULTS/optimize.log"
+    to_out "$RESULTS/optimize.log"
+    if [ "$rc" != 0 ] || [ ! -f "$SDXL/unet/model.onnx" ]; then
+        echo "the fused UNet is not there: see optimize.log" >&2
+        return 6
+    fi
+    touch "$ROOT/optimize.done"
+    if [ -f "$ROOT/unfused.pid" ]; then
+        wait_job unfused "$(min 120 "$(($(left) - 300))")" || echo "no unfused reference this lease" >&2
+        to_out "$RESULTS/unfused.log"
+    fi
+    du -sh "$SDXL/unet" "$UNFUSED_DIR/unet" 2> /dev/null
+}
+
+stage_diffusers() {
+    ort_env
+    local budget note="" extra=()
+    budget=$(min "${DIFFUSERS_BUDGET_S:-480}" "$(($(left) - 40))")
+    if alive "$ROOT/optimize.pid" || alive "$ROOT/unfused.pid"; then
+        note="ORT's UNet optimizer and the fp16 converter (one CPU core each, no GPU) ran meanwhile"
+    fi
+    read -r -a extra <<< "${DIFFUSERS_ARGS:-}"
+    log "bench_diffusers.py, budget $budget s${note:+ ($note)}"
+    timeout -k 10 $((budget + 60)) python3 onnx/bench_diffusers.py --out "$RESULTS/diffusers.json" \
+        --budget-s "$budget" --note "$note" "${extra[@]}" 2>&1 | tee "$RESULTS/diffusers.log"
+    local rc=$?
+    to_out "$RESULTS/diffusers.json" "$RESULTS/diffusers.log"
+    return $rc
+}
+
+stage_unet() {
+    stage_optimize_wait || return
+    ort_env
+    local budget extra=() unfused=()
+    budget=$(min "${UNET_BUDGET_S:-420}" "$(($(left) - 80))")
+    if [ -f "$ROOT/unfused.rc" ] && [ "$(cut -d' ' -f1 "$ROOT/unfused.rc")" = 0 ]; then
+        unfused=(--unfused "$UNFUSED_DIR/unet/model.onnx")
+    fi
+    read -r -a extra <<< "${UNET_ARGS:-}"
+    log "bench_unet.py, budget $budget s"
+    timeout -k 10 $((budget + 75)) python3 onnx/bench_unet.py --model "$SDXL/unet/model.onnx" "${unfused[@]}" \
+        --out "$RESULTS/unet.json" --budget-s "$budget" --variant-timeout-s 150 "${extra[@]}" 2>&1 \
+        | tee "$RESULTS/unet.log"
+    local rc=$?
+    to_out "$RESULTS/unet.json" "$RESULTS/unet.log"
+    return $rc
+}
+
+stage_fleet() {
+    stage_optimize_wait || return
+    [ -d .gpu/bin ] || { echo "carry .gpu/bin (the release binaries built here) in this call" >&2; return 2; }
+    if [ ! -f deploy/gpu/fleet.sh ]; then
+        echo "deploy/gpu/fleet.sh is not written yet (deploy/gpu/README.md says what it must do)" >&2
+        return 4
+    fi
+    ort_env
+    chmod +x .gpu/bin/* 2> /dev/null
+    # What fleet.sh gets (deploy/gpu/README.md, "fleet.sh"):
+    export SHOTFLEET_DEVICE=cuda BIN_DIR=$REPO/.gpu/bin MODEL_DIR=$SDXL RESULTS OUT \
+        NATS_SERVER=$SITE/bin/nats-server GPU_SAMPLER=$REPO/deploy/gpu/gpu_sampler.py
+    export FLEET_DEADLINE_S=$(($(left) - 40))
+    log "fleet.sh, must end within $FLEET_DEADLINE_S s"
+    timeout -k 10 "$FLEET_DEADLINE_S" bash deploy/gpu/fleet.sh 2>&1 | tee "$RESULTS/fleet.log"
+}
+
+stage_report() {
+    python3 deploy/gpu/report.py "$RESULTS" --md "$RESULTS/report.md" --json "$RESULTS/report.json"
+    local rc=$?
+    to_out "$RESULTS/report.md" "$RESULTS/report.json"
+    tar czf "$OUT/results.tar.gz" -C "$RESULTS" . 2> /dev/null
+    return $rc
+}
+
+run_stage() {
+    local name=$1 t0=$SECONDS rc=0
+    shift
+    log "=== $name $*"
+    case "$name" in
+        part) stage_part "$@" || rc=$? ;;
+        install) stage_install || rc=$? ;;
+        export) stage_export || rc=$? ;;
+        optimize-start) stage_optimize_start || rc=$? ;;
+        optimize-wait) stage_optimize_wait || rc=$? ;;
+        diffusers) stage_diffusers || rc=$? ;;
+        unet) stage_unet || rc=$? ;;
+        fleet) stage_fleet || rc=$? ;;
+        report) stage_report || rc=$? ;;
+        *) echo "unknown stage: $name" >&2; rc=2 ;;
+    esac
+    printf '{"stage": "%s", "seconds": %d, "rc": %d, "ended": "%s"}\n' "$name${1:+ $1}" $((SECONDS - t0)) "$rc" \
+        "$(date -Is)" >> "$RESULTS/stages.jsonl"
+    log "=== $name: exit $rc after $((SECONDS - t0)) s"
+    return "$rc"
+}
+
+[ $# -gt 0 ] || { sed -n '2,/^set -uo/p' "$0" | sed '$d'; exit 2; }
+status=0
+while [ $# -gt 0 ]; do
+    stage=$1
+    shift
+    args=()
+    if [ "$stage" = part ]; then args=("${1:-}"); shift || true; fi
+    if [ "$status" != 0 ] && [ "$stage" != report ]; then
+        log "skipping $stage: an earlier stage failed"
+        continue
+    fi
+    run_stage "$stage" "${args[@]}" || status=$?
+done
+exit "$status"

@@ -1,0 +1,259 @@
+//! The worker as operators run it: a real `shotfleet-consumer` process with the tiny model on the
+//! CPU, a real nats-server, a local store folder.
+
+use std::time::{Duration, Instant};
+
+use async_nats::jetstream;
+use shotfleet_schema::nats::Topology;
+use shotfleet_schema::{subject, Priority};
+use shotfleet_testkit::NatsServer;
+use shotfleet_tests::*;
+
+fn topology(ack_wait_s: u64, max_deliver: i64) -> Topology {
+    Topology { ack_wait: Duration::from_secs(ack_wait_s), max_deliver, ..Topology::default() }
+}
+
+#[tokio::test]
+async fn renders_stores_reports_and_acks() {
+    let server = NatsServer::start();
+    let js = jetstream_with(&server.url(), &Topology::default()).await;
+    let store = tempfile::tempdir().unwrap();
+    let worker = Worker::start(&server.url(), WorkerSpec::new("w1", store.path()));
+
+    let shots = vec![
+        shot(Priority::P0, job("a1", "acme", (64, 64), 4, 1)),
+        shot(Priority::P1, job("a2", "acme", (128, 96), 4, 2)),
+        shot(Priority::P2, job("b1", "beta", (64, 128), 3, 1)),
+    ];
+    submit(&js, &shots).await;
+    let outcomes = outcomes(&js, &shots, Duration::from_secs(120)).await;
+    for result in results(&outcomes) {
+        check_store(store.path(), &result);
+        assert_eq!(result.worker, "w1");
+        assert_eq!(result.device, "simulated (cpu)");
+        let expected = shots.iter().find(|s| s.job.job_id == result.job_id).unwrap();
+        assert_eq!(result.images.len() as u32, expected.job.images);
+        for image in &result.images {
+            assert_eq!((image.width, image.height), (expected.job.width, expected.job.height));
+            assert!(image.key.starts_with(&format!("{}/{}/shot-{}-{}-", result.project, result.job_id, result.job_id, image.index)), "{}", image.key);
+        }
+    }
+    // Acked: nothing left in the work queue.
+    let mut stream = js.get_stream(subject::JOBS_STREAM).await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while stream.info().await.unwrap().state.messages > 0 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(stream.info().await.unwrap().state.messages, 0, "every job acked");
+    let metrics = worker.metrics();
+    assert!(metrics.contains("shotfleet_jobs_total{outcome=\"done\",priority=\"p0\",class=\"xs\"} 1"), "{metrics}");
+    assert!(metrics.contains("shotfleet_render_seconds"), "{metrics}");
+    assert!(metrics.contains("shotfleet_estimate_error_ratio"), "{metrics}");
+}
+
+#[tokio::test]
+async fn auto_and_wrong_class_jobs_are_routed_then_rendered() {
+    let server = NatsServer::start();
+    let js = jetstream_with(&server.url(), &Topology::default()).await;
+    let store = tempfile::tempdir().unwrap();
+    let _worker = Worker::start(&server.url(), WorkerSpec::new("router", store.path()));
+
+    // One job on `auto`, one on the wrong class (a 64x64 job on `s`), both as a foreign client
+    // would publish them.
+    let client = async_nats::connect(server.url()).await.unwrap();
+    for (subject_name, j) in [
+        ("shots.p1.auto.acme", job("r-auto", "acme", (64, 64), 2, 1)),
+        ("shots.p1.s.acme", job("r-wrong", "acme", (64, 64), 2, 1)),
+    ] {
+        let mut headers = async_nats::HeaderMap::new();
+        headers.insert("Nats-Msg-Id", j.job_id.as_str());
+        js.publish_with_headers(subject_name, headers, serde_json::to_vec(&j).unwrap().into()).await.unwrap().await.unwrap();
+    }
+    drop(client);
+    let shots = vec![shot(Priority::P1, job("r-auto", "acme", (64, 64), 2, 1)), shot(Priority::P1, job("r-wrong", "acme", (64, 64), 2, 1))];
+    let outcomes = outcomes(&js, &shots, Duration::from_secs(60)).await;
+    assert_eq!(results(&outcomes).len(), 2);
+    // The routed copies carry `<job>:route` ids: publishing one again is a duplicate.
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert("Nats-Msg-Id", "r-auto:route");
+    let ack = js.publish_with_headers("shots.p1.xs.acme", headers, "{}".into()).await.unwrap().await.unwrap();
+    assert!(ack.duplicate, "the worker published the routed copy with Msg-Id r-auto:route");
+}
+
+#[tokio::test]
+async fn p2_is_served_within_its_bound_while_p0_keeps_arriving() {
+    let server = NatsServer::start();
+    let js = jetstream_with(&server.url(), &Topology::default()).await;
+    let store = tempfile::tempdir().unwrap();
+    let mut spec = WorkerSpec::new("prio", store.path());
+    spec.p1_max_wait = "3s";
+    spec.p2_max_wait = "3s";
+    let _worker = Worker::start(&server.url(), spec);
+
+    // A p0 stream that never runs dry during the test; once the worker is busy with it, a p2
+    // job arrives.
+    let js_feed = js.clone();
+    let feeder = tokio::spawn(async move {
+        let mut n = 0;
+        loop {
+            let batch: Vec<_> = (0..4).map(|i| shot(Priority::P0, job(&format!("hi-{n}-{i}"), "acme", (256, 256), 8, 1))).collect();
+            submit(&js_feed, &batch).await;
+            n += 1;
+            tokio::time::sleep(Duration::from_millis(300)).await;
+        }
+    });
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    submit(&js, &[shot(Priority::P2, job("low", "acme", (64, 64), 2, 1))]).await;
+    let started = Instant::now();
+    let low = outcomes(&js, &[shot(Priority::P2, job("low", "acme", (64, 64), 2, 1))], Duration::from_secs(60)).await;
+    let waited = started.elapsed();
+    feeder.abort();
+    let result = results(&low).remove(0);
+    // The bound (3 s) plus one p0 render in progress and polling slack.
+    assert!(waited < Duration::from_secs(15), "p2 waited {waited:?}");
+    assert!(result.timing.queue_ms >= 2_000, "p0 went first for a while ({} ms)", result.timing.queue_ms);
+    // And p0 jobs were indeed served meanwhile.
+    let mut results_stream = js.get_stream(subject::RESULTS_STREAM).await.unwrap();
+    assert!(results_stream.info().await.unwrap().state.messages > 1);
+}
+
+#[tokio::test]
+async fn a_render_longer_than_ack_wait_is_not_redelivered() {
+    let server = NatsServer::start();
+    let js = jetstream_with(&server.url(), &topology(2, 5)).await;
+    let store = tempfile::tempdir().unwrap();
+    let _worker = Worker::start(&server.url(), WorkerSpec::new("long", store.path()));
+    // Large enough to take several ack_waits on the CPU.
+    let long = shot(Priority::P1, job("long-1", "acme", (512, 512), 60, 1));
+    submit(&js, std::slice::from_ref(&long)).await;
+    let outcomes = outcomes(&js, &[long], Duration::from_secs(240)).await;
+    let result = results(&outcomes).remove(0);
+    assert!(result.timing.render_ms > 4_000, "the render took {} ms: longer than two ack_waits", result.timing.render_ms);
+    assert_eq!(result.attempt, 1, "progress acks kept the job from being redelivered");
+}
+
+#[tokio::test]
+async fn the_time_limit_stops_a_render_and_it_fails_after_max_deliveries() {
+    let server = NatsServer::start();
+    let js = jetstream_with(&server.url(), &topology(30, 2)).await;
+    let store = tempfile::tempdir().unwrap();
+    let mut spec = WorkerSpec::new("limited", store.path());
+    spec.time_limit = "1s";
+    let worker = Worker::start(&server.url(), spec);
+    let slow = shot(Priority::P1, job("slow-1", "acme", (512, 512), 120, 1));
+    submit(&js, std::slice::from_ref(&slow)).await;
+    let outcomes = outcomes(&js, &[slow], Duration::from_secs(120)).await;
+    match &outcomes["slow-1"] {
+        shotfleet_producer::wait::Outcome::Failed { reason, detail, attempts } => {
+            assert_eq!(reason, "max_deliveries");
+            assert!(detail.contains("time limit"), "{detail}");
+            assert_eq!(attempts, "2");
+        }
+        other => panic!("expected a failed record: {other:?}\n{}", worker.log()),
+    }
+}
+
+#[tokio::test]
+async fn invalid_jobs_go_to_the_failed_stream_with_reasons() {
+    let server = NatsServer::start();
+    let js = jetstream_with(&server.url(), &Topology::default()).await;
+    let store = tempfile::tempdir().unwrap();
+    let _worker = Worker::start(&server.url(), WorkerSpec::new("strict", store.path()));
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert("Nats-Msg-Id", "garbage-1");
+    js.publish_with_headers("shots.p0.xs.acme", headers, "{\"v\":1,\"job_id\":\"bad-1\",\"width\":\"wide\"}".into())
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    let failed = js.get_stream(subject::FAILED_STREAM).await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let record = loop {
+        if let Ok(m) = failed.get_last_raw_message_by_subject("shots.failed.p0.acme").await {
+            break m;
+        }
+        assert!(Instant::now() < deadline, "no failed record");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let header = |n: &str| record.headers.get(n).map(|v| v.as_str().to_owned()).unwrap_or_default();
+    assert_eq!(header("Shotfleet-Reason"), "invalid");
+    assert!(header("Shotfleet-Detail").contains("width"), "{}", header("Shotfleet-Detail"));
+    assert_eq!(header("Shotfleet-Original-Subject"), "shots.p0.xs.acme");
+    assert_eq!(header("Shotfleet-Attempts"), "1");
+    assert_eq!(header("Shotfleet-Worker"), "strict");
+    assert_eq!(&record.payload[..], b"{\"v\":1,\"job_id\":\"bad-1\",\"width\":\"wide\"}", "the original payload is kept");
+}
+
+#[tokio::test]
+async fn only_classes_that_fit_the_budget_are_fetched() {
+    let server = NatsServer::start();
+    let js = jetstream_with(&server.url(), &Topology::default()).await;
+    let store = tempfile::tempdir().unwrap();
+    let mut spec = WorkerSpec::new("small", store.path());
+    spec.classes = "[\"xs\", \"s\", \"m\"]";
+    // A card with little room beyond the models: one xs image (512x512 at most: about 270 MiB
+    // planned on the tiny model, mostly its VAE) fits, an m image (1024x1024: about 1 GiB) does not.
+    spec.total_mib = 800;
+    let worker = Worker::start(&server.url(), spec);
+    let small = shot(Priority::P1, job("fits", "acme", (64, 64), 2, 1));
+    let big = shot(Priority::P0, job("too-big", "acme", (1024, 1024), 2, 1));
+    submit(&js, &[big.clone(), small.clone()]).await;
+    let done = outcomes(&js, std::slice::from_ref(&small), Duration::from_secs(60)).await;
+    assert_eq!(results(&done).len(), 1);
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let stream = js.get_stream(subject::JOBS_STREAM).await.unwrap();
+    let consumer: jetstream::consumer::PullConsumer = stream.get_consumer("render-p0-m").await.unwrap();
+    let mut consumer = consumer;
+    let info = consumer.info().await.unwrap();
+    assert_eq!((info.num_pending, info.num_ack_pending), (1, 0), "the m job was never fetched:\n{}", worker.log());
+}
+
+#[tokio::test]
+async fn sigterm_finishes_in_flight_work_within_the_grace_period() {
+    let server = NatsServer::start();
+    let js = jetstream_with(&server.url(), &Topology::default()).await;
+    let store = tempfile::tempdir().unwrap();
+    let mut worker = Worker::start(&server.url(), WorkerSpec::new("graceful", store.path()));
+    let j = shot(Priority::P1, job("grace-1", "acme", (512, 512), 20, 1));
+    submit(&js, std::slice::from_ref(&j)).await;
+    // Wait until it is in flight, then ask the worker to stop.
+    let stream = js.get_stream(subject::JOBS_STREAM).await.unwrap();
+    let mut consumer: jetstream::consumer::PullConsumer = stream.get_consumer("render-p1-xs").await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while consumer.info().await.unwrap().num_ack_pending == 0 {
+        assert!(Instant::now() < deadline, "never fetched");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let code = worker.terminate(Duration::from_secs(30));
+    assert_eq!(code, Some(0), "clean exit:\n{}", worker.log());
+    let done = outcomes(&js, &[j], Duration::from_secs(5)).await;
+    assert_eq!(results(&done).len(), 1, "the in-flight job finished before exit");
+}
+
+#[tokio::test]
+async fn past_the_grace_period_in_flight_jobs_are_naked_for_others() {
+    let server = NatsServer::start();
+    let js = jetstream_with(&server.url(), &topology(60, 5)).await;
+    let store = tempfile::tempdir().unwrap();
+    let mut spec = WorkerSpec::new("impatient", store.path());
+    spec.grace = "1s";
+    let mut first = Worker::start(&server.url(), spec);
+    let j = shot(Priority::P1, job("handover-1", "acme", (512, 512), 60, 1));
+    submit(&js, std::slice::from_ref(&j)).await;
+    let stream = js.get_stream(subject::JOBS_STREAM).await.unwrap();
+    let mut consumer: jetstream::consumer::PullConsumer = stream.get_consumer("render-p1-xs").await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while consumer.info().await.unwrap().num_ack_pending == 0 {
+        assert!(Instant::now() < deadline, "never fetched");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let stopped = Instant::now();
+    assert_eq!(first.terminate(Duration::from_secs(30)), Some(0), "{}", first.log());
+    assert!(stopped.elapsed() < Duration::from_secs(10), "stopped soon after the grace period");
+    // Naked without delay: a second worker takes it long before ack_wait (60 s) would.
+    let _second = Worker::start(&server.url(), WorkerSpec::new("successor", store.path()));
+    let done = outcomes(&js, &[j], Duration::from_secs(50)).await;
+    let result = results(&done).remove(0);
+    assert_eq!(result.worker, "successor");
+    assert_eq!(result.attempt, 2);
+}
