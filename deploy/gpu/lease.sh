@@ -124,7 +124,7 @@ stage_install() {
     grep -q CUDAExecutionProvider "$RESULTS/install.txt" || { echo "no CUDA provider in this onnxruntime" >&2; return 4; }
     log "smoke test: bench_unet.py on the tiny fixture with the CUDA provider"
     timeout -k 5 120 python3 onnx/bench_unet.py --model onnx/tiny/model/unet/model.onnx --size 64 --iters 5 \
-        --variants cuda_graph,sdpa_flash --no-combos --budget-s 60 --out "$RESULTS/unet-tiny.json" \
+        --variants cuda_graph,sdpa_flash --no-combos --budget-s 60 --tail-reserve-s 5 --out "$RESULTS/unet-tiny.json" \
         > "$RESULTS/unet-tiny.log" 2>&1
     tail -12 "$RESULTS/unet-tiny.log"
     to_out "$RESULTS/unet-tiny.json"
@@ -180,7 +180,7 @@ stage_optimize_start() {
     # Copies, so a later call's fresh working tree cannot change what the background jobs run.
     mkdir -p "$ROOT/scripts" "$SDXL/unet"
     cp onnx/optimize_unet.py onnx/to_fp16.py "$ROOT/scripts/" || return
-    rm -f "$ROOT/optimize.rc" "$ROOT/unfused.rc" "$ROOT/optimize.done" "$SDXL/unet/model.onnx" "$SDXL/unet/model.onnx_data"
+    rm -f "$ROOT/optimize.rc" "$ROOT/unfused.rc" "$ROOT/optimize.pid" "$ROOT/unfused.pid" "$ROOT/optimize.done" "$SDXL/unet/model.onnx" "$SDXL/unet/model.onnx_data"
     log "starting ORT's optimizer on the fp32 UNet (numpy 2.2.6 first on its path)"
     # shellcheck disable=SC2016 # the inner script expands its own arguments
     setsid nohup bash -c 's=$SECONDS; PYTHONPATH="$1:$2" python3 "$3/scripts/optimize_unet.py" "$4/unet/model.onnx" "$5/unet/model.onnx" $6; echo "$? $((SECONDS - s))" > "$3/optimize.rc"' \
