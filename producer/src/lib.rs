@@ -4,10 +4,12 @@
 //! - [`submit`]: publishing jobs with their `Nats-Msg-Id`, PubAcks pipelined and bounded.
 //! - [`wait`]: following results and failed records until every submitted job has one.
 //! - [`status`]: what is pending, in progress and failed, per priority and class.
+//! - [`replay`]: failed records back to their original subjects, deleted only after the PubAck.
 //!
 //! The wire contract and the topology come from `shotfleet-schema`; this crate knows nothing of
 //! the workers.
 
+pub mod replay;
 pub mod status;
 pub mod storyboard;
 pub mod submit;

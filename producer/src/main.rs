@@ -1,7 +1,8 @@
-//! `shotfleet`: set up the topology, submit storyboards, wait for them, show the queues.
+//! `shotfleet`: set up the topology, submit storyboards, wait for them, show the queues, replay
+//! failed jobs.
 //!
-//! Exit codes: 0 success; 1 some jobs failed (with `--wait`); 2 bad input (the file, flags);
-//! 3 NATS unreachable or the server refused.
+//! Exit codes: 0 success; 1 some jobs failed (with `--wait`), or some failed records could not be
+//! replayed; 2 bad input (the file, flags); 3 NATS unreachable or the server refused.
 
 use std::io::IsTerminal;
 use std::path::PathBuf;
@@ -12,8 +13,9 @@ use anyhow::Context as _;
 use clap::{Args, Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 use shotfleet_producer::wait::{Awaited, Outcome};
-use shotfleet_producer::{status, storyboard, submit, wait};
+use shotfleet_producer::{replay, status, storyboard, submit, wait};
 use shotfleet_schema::encoding::ContentType;
+use shotfleet_schema::failure::FailureReason;
 use shotfleet_schema::nats::{NatsOptions, Topology};
 use shotfleet_schema::Limits;
 
@@ -51,7 +53,27 @@ enum Command {
     Submit(SubmitArgs),
     /// Pending, in-progress and oldest job per priority and class; failed records.
     Status,
+    /// Republish failed jobs from SHOTS_FAILED to their original subjects (--dry-run lists them).
+    #[command(after_long_help = REPLAY_HELP)]
+    Replay(ReplayArgs),
 }
+
+const REPLAY_HELP: &str = "\
+Each matching record's payload goes back, byte for byte and with its Content-Type, to the subject
+it was taken from (Shotfleet-Original-Subject), with Nats-Msg-Id <job>:replay:<seq> (seq: the
+record's sequence in SHOTS_FAILED). The failed copy is deleted only after the server acknowledged
+the publish. Interrupting a replay is safe: rerun it. A job the interrupted run had queued is a
+duplicate inside the duplicate window (20 min by default): it is not queued twice, only its failed
+copy is deleted. (Rerun later than that and the job is queued a second time; a worker that finds
+its result already published skips it.)
+
+Records without a job id (their payload could not be decoded; reason invalid) are kept unless
+their reason is asked for with --reason (e.g. --reason invalid): then they are published as they
+are, with Nats-Msg-Id seq-<seq>:replay:<seq>; a worker decodes them again, and an unchanged
+payload fails again as invalid.
+
+A record whose original subject is missing or not a job subject (shots.<prio>.<class>.<project>)
+is kept and reported. Exit code 1 when any matching record could not be replayed.";
 
 #[derive(Args)]
 struct SetupArgs {
@@ -99,6 +121,28 @@ struct SubmitArgs {
     max_in_flight: usize,
 }
 
+#[derive(Args)]
+struct ReplayArgs {
+    /// Only records failed for this reason: invalid, oom, max_deliveries, driver (repeatable).
+    #[arg(long = "reason", value_name = "REASON")]
+    reasons: Vec<FailureReason>,
+    /// Only records of this project (repeatable).
+    #[arg(long = "project", value_name = "PROJECT")]
+    projects: Vec<String>,
+    /// Only the records of this job (repeatable).
+    #[arg(long = "job", value_name = "JOB_ID")]
+    jobs: Vec<String>,
+    /// Only records failed at or after this: a duration ago (2h, 30m, 1d) or an RFC 3339 time.
+    #[arg(long, value_name = "WHEN")]
+    since: Option<replay::When>,
+    /// Only records failed at or before this: a duration ago (2h, 30m, 1d) or an RFC 3339 time.
+    #[arg(long, value_name = "WHEN")]
+    until: Option<replay::When>,
+    /// List what would be replayed; change nothing.
+    #[arg(long)]
+    dry_run: bool,
+}
+
 fn parse_duration(text: &str) -> Result<Duration, String> {
     shotfleet_schema::nats::topology::parse_duration(text)
 }
@@ -142,6 +186,7 @@ async fn run(cli: Cli) -> Result<u8, Failure> {
         Command::Setup(args) => setup(&options, args).await,
         Command::Submit(args) => submit_file(&options, args).await,
         Command::Status => show_status(&options).await,
+        Command::Replay(args) => replay_failed(&options, args).await,
     }
 }
 
@@ -308,6 +353,68 @@ async fn show_status(options: &NatsOptions) -> Result<u8, Failure> {
         println!("  {subject}: {n}");
     }
     Ok(0)
+}
+
+async fn replay_failed(options: &NatsOptions, args: ReplayArgs) -> Result<u8, Failure> {
+    let now = SystemTime::now();
+    let filter = replay::Filter {
+        reasons: args.reasons,
+        projects: args.projects,
+        jobs: args.jobs,
+        since: args.since.map(|w| w.resolve(now)),
+        until: args.until.map(|w| w.resolve(now)),
+    };
+    let js = connect(options).await?;
+    println!(
+        "{:<13} {:>6}  {:<24} {:<14} {:>8}  {:<24} {:>5}  detail",
+        "action", "seq", "job", "reason", "attempts", "original subject", "age"
+    );
+    let mut problems = Vec::new();
+    let summary = replay::replay(&js, &filter, args.dry_run, |record, outcome| {
+        let action = match outcome {
+            replay::Outcome::WouldReplay { .. } => "would replay",
+            replay::Outcome::Replayed { duplicate: false, .. } => "replayed",
+            replay::Outcome::Replayed { duplicate: true, .. } => "duplicate",
+            replay::Outcome::Skipped { .. } => "skipped",
+            _ => "kept",
+        };
+        println!(
+            "{action:<13} {:>6}  {:<24} {:<14} {:>8}  {:<24} {:>5}  {}",
+            record.seq,
+            record.job_id.as_deref().unwrap_or("-"),
+            if record.reason.is_empty() { "-" } else { &record.reason },
+            if record.attempts.is_empty() { "-" } else { &record.attempts },
+            record.original_subject.as_deref().unwrap_or("-"),
+            replay::format_age(record.age(now)),
+            record.detail,
+        );
+        if let replay::Outcome::Skipped { why } | replay::Outcome::Kept { why } = outcome {
+            problems.push(format!("seq {} (job {}): {why}", record.seq, record.job_id.as_deref().unwrap_or("-")));
+        }
+    })
+    .await;
+    for line in &problems {
+        eprintln!("{line}");
+    }
+    let summary = summary.map_err(server)?;
+    if args.dry_run {
+        println!(
+            "dry run: {} matching, would replay {}, would skip {}, cannot replay {}; nothing changed",
+            summary.matched, summary.would_replay, summary.skipped, summary.kept
+        );
+    } else {
+        println!(
+            "summary: replayed {}, duplicates {}, skipped {}, could not replay {}",
+            summary.replayed, summary.duplicates, summary.skipped, summary.kept
+        );
+        if summary.duplicates > 0 {
+            println!(
+                "{} duplicate(s): already queued by an earlier, interrupted replay; not queued again, failed copy deleted",
+                summary.duplicates
+            );
+        }
+    }
+    Ok(if summary.kept > 0 { 1 } else { 0 })
 }
 
 /// A progress bar on a terminal, plain lines (every 10%) otherwise.

@@ -1,0 +1,404 @@
+//! Replaying failed jobs: failed records from `SHOTS_FAILED` back to their original subjects.
+//!
+//! The walk reads the failed stream record by record (`STREAM.MSG.GET` with `next_by_subj`,
+//! which nats-server 2.9 and later answer, and which skips deleted records on the server) up to
+//! the last sequence that existed when the walk began, so a replayed job that fails again at
+//! once is not replayed twice in one run. Each record that matches the [`Filter`] is checked,
+//! republished byte for byte (same `Content-Type`) with `Nats-Msg-Id = <job>:replay:<seq>`, and
+//! deleted from the failed stream only after the PubAck: an interrupted replay loses nothing.
+
+use std::str::FromStr;
+use std::time::{Duration, SystemTime};
+
+use async_nats::HeaderMap;
+use async_nats::jetstream::message::{PublishMessage, StreamMessage};
+use async_nats::jetstream::stream::{LastRawMessageErrorKind, Stream};
+use async_nats::jetstream;
+use bytes::Bytes;
+use shotfleet_schema::failure::{self, FailureReason};
+use shotfleet_schema::subject;
+
+/// Which records to replay. Empty lists match everything.
+#[derive(Debug, Clone, Default)]
+pub struct Filter {
+    /// Reasons asked for. A record without a job id is replayed only when its reason is here.
+    pub reasons: Vec<FailureReason>,
+    pub projects: Vec<String>,
+    pub jobs: Vec<String>,
+    /// Records written at or after this.
+    pub since: Option<SystemTime>,
+    /// Records written at or before this.
+    pub until: Option<SystemTime>,
+}
+
+/// A point in time on the command line: `2h` (that long ago) or an RFC 3339 timestamp.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum When {
+    Ago(Duration),
+    At(SystemTime),
+}
+
+impl When {
+    pub fn resolve(self, now: SystemTime) -> SystemTime {
+        match self {
+            Self::Ago(d) => now.checked_sub(d).unwrap_or(SystemTime::UNIX_EPOCH),
+            Self::At(t) => t,
+        }
+    }
+}
+
+impl FromStr for When {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        if let Ok(d) = shotfleet_schema::nats::topology::parse_duration(text) {
+            return Ok(Self::Ago(d));
+        }
+        async_nats::datetime::parse_rfc3339(text.trim()).map(|t| Self::At(t.into())).map_err(|_| {
+            format!("`{text}` is neither a duration (90s, 20m, 2h, 14d: that long ago) nor an RFC 3339 time (2026-11-30T08:00:00Z)")
+        })
+    }
+}
+
+/// One failed record as stored.
+#[derive(Debug, Clone)]
+pub struct FailedRecord {
+    /// Its sequence in `SHOTS_FAILED`.
+    pub seq: u64,
+    /// `shots.failed.<prio>.<project>`.
+    pub subject: String,
+    pub project: Option<String>,
+    pub job_id: Option<String>,
+    /// As written (`Shotfleet-Reason`); unknown reasons are kept as text.
+    pub reason: String,
+    pub detail: String,
+    pub attempts: String,
+    pub original_subject: Option<String>,
+    pub content_type: Option<String>,
+    pub written: SystemTime,
+    pub payload: Bytes,
+}
+
+impl FailedRecord {
+    fn from_message(message: StreamMessage) -> Self {
+        let header = |name: &str| message.headers.get(name).map(|v| v.as_str().to_owned());
+        let subject = message.subject.to_string();
+        Self {
+            seq: message.sequence,
+            project: subject::parse_failed(&subject).ok().map(|(_, project)| project),
+            job_id: header(failure::JOB_ID).filter(|id| !id.is_empty()),
+            reason: header(failure::REASON).unwrap_or_default(),
+            detail: header(failure::DETAIL).unwrap_or_default(),
+            attempts: header(failure::ATTEMPTS).unwrap_or_default(),
+            original_subject: header(failure::ORIGINAL_SUBJECT),
+            content_type: header(failure::CONTENT_TYPE),
+            written: message.time.into(),
+            subject,
+            payload: message.payload,
+        }
+    }
+
+    fn reason(&self) -> Option<FailureReason> {
+        self.reason.parse().ok()
+    }
+
+    /// The `Nats-Msg-Id` its replay is published with.
+    ///
+    /// `n` is the record's own sequence in `SHOTS_FAILED`, not a replay counter:
+    /// - a rerun after an interruption (PubAck received, delete not done) publishes the same id,
+    ///   so the duplicate window of `SHOTS` absorbs it and the rerun only deletes the record;
+    /// - a replayed job that fails again gets a new failed record with a higher sequence, so its
+    ///   next replay has a new id and is never mistaken for a duplicate;
+    /// - it needs no state beyond the record itself (a counter would need to be stored and
+    ///   read back, and two operators replaying at once would race on it).
+    ///
+    /// Sequences restart only if the stream is deleted and made again; an id can then repeat
+    /// only inside the duplicate window (20 min by default), for the same job at the same
+    /// sequence. A record without a job id (an undecodable payload) is named by its sequence,
+    /// `seq-<seq>`, as the worker names its failed record `seq-<seq>:failed`.
+    pub fn replay_msg_id(&self) -> String {
+        match &self.job_id {
+            Some(job) => subject::msg_id::replay(job, self.seq),
+            None => subject::msg_id::replay(&format!("seq-{}", self.seq), self.seq),
+        }
+    }
+
+    /// The age of the record at `now`.
+    pub fn age(&self, now: SystemTime) -> Duration {
+        now.duration_since(self.written).unwrap_or_default()
+    }
+}
+
+impl Filter {
+    fn matches(&self, record: &FailedRecord) -> bool {
+        let reason_ok = self.reasons.is_empty() || record.reason().is_some_and(|r| self.reasons.contains(&r));
+        let project_ok = self.projects.is_empty() || record.project.as_ref().is_some_and(|p| self.projects.contains(p));
+        let job_ok = self.jobs.is_empty() || record.job_id.as_ref().is_some_and(|j| self.jobs.contains(j));
+        let since_ok = self.since.is_none_or(|t| record.written >= t);
+        let until_ok = self.until.is_none_or(|t| record.written <= t);
+        reason_ok && project_ok && job_ok && since_ok && until_ok
+    }
+
+    /// Records without a job id are replayed only when asked for by their reason: their payload
+    /// could not be decoded, so most need fixing at the source, not another try.
+    fn asks_for_unnamed(&self, record: &FailedRecord) -> bool {
+        record.reason().is_some_and(|r| self.reasons.contains(&r))
+    }
+
+    /// The narrowest subject the server can filter on.
+    fn subject(&self) -> String {
+        match &self.projects[..] {
+            [project] if !project.is_empty() && !project.contains(['.', '*', '>', ' ']) => {
+                format!("{}.failed.*.{project}", subject::ROOT)
+            }
+            _ => format!("{}.failed.>", subject::ROOT),
+        }
+    }
+}
+
+/// What happened to one matching record.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Outcome {
+    /// Dry run: this would be published to `subject` with `msg_id`.
+    WouldReplay { subject: String, msg_id: String },
+    /// Published and the failed copy deleted. `duplicate`: the server already had `msg_id`
+    /// (an earlier, interrupted replay queued it), so nothing was queued twice.
+    Replayed { subject: String, msg_id: String, duplicate: bool },
+    /// Left in place on purpose: it has no job id and its reason was not asked for.
+    Skipped { why: String },
+    /// Could not be replayed; the record is kept.
+    Kept { why: String },
+}
+
+impl Outcome {
+    /// A record that was meant to be replayed and was not (or not completely).
+    pub fn is_problem(&self) -> bool {
+        matches!(self, Self::Kept { .. })
+    }
+}
+
+/// Counts of what a replay did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ReplaySummary {
+    /// Records that matched the filter.
+    pub matched: usize,
+    /// Dry run: records that would be replayed.
+    pub would_replay: usize,
+    /// Replayed, queued now.
+    pub replayed: usize,
+    /// Replayed, already queued by an earlier interrupted run: only the failed copy was deleted.
+    pub duplicates: usize,
+    /// Records without a job id, left because their reason was not asked for.
+    pub skipped: usize,
+    /// Records that could not be replayed and are kept.
+    pub kept: usize,
+}
+
+/// The failed stream could not be read.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ReplayError {
+    #[error("cannot read {stream}: {detail} (has `shotfleet setup` been run against this server?)")]
+    Stream { stream: &'static str, detail: String },
+    #[error("reading {stream} stopped at sequence {seq}: {detail}; records before it are done, rerunning is safe")]
+    Read { stream: &'static str, seq: u64, detail: String },
+}
+
+/// Walks `SHOTS_FAILED` and replays (or, with `dry_run`, lists) every record `filter` matches;
+/// `on_record` is called once per matching record with what happened to it.
+///
+/// # Errors
+/// [`ReplayError`] when the failed stream cannot be read; per-record problems (a bad original
+/// subject, a refused publish, a failed delete) are [`Outcome::Kept`] and the walk goes on.
+pub async fn replay(
+    js: &jetstream::Context,
+    filter: &Filter,
+    dry_run: bool,
+    mut on_record: impl FnMut(&FailedRecord, &Outcome),
+) -> Result<ReplaySummary, ReplayError> {
+    let stream_err = |e: &dyn std::fmt::Display| ReplayError::Stream { stream: subject::FAILED_STREAM, detail: e.to_string() };
+    let mut stream = js.get_stream(subject::FAILED_STREAM).await.map_err(|e| stream_err(&e))?;
+    let last = stream.info().await.map_err(|e| stream_err(&e))?.state.last_sequence;
+    let filter_subject = filter.subject();
+    let mut summary = ReplaySummary::default();
+    let mut next = 1;
+    while next <= last {
+        let message = match stream.get_first_raw_message_by_subject(&filter_subject, next).await {
+            Ok(message) => message,
+            Err(e) if e.kind() == LastRawMessageErrorKind::NoMessageFound => break,
+            Err(e) => {
+                return Err(ReplayError::Read { stream: subject::FAILED_STREAM, seq: next, detail: e.to_string() });
+            }
+        };
+        if message.sequence > last {
+            break;
+        }
+        next = message.sequence + 1;
+        let record = FailedRecord::from_message(message);
+        if !filter.matches(&record) {
+            continue;
+        }
+        summary.matched += 1;
+        let outcome = settle(js, &stream, filter, &record, dry_run).await;
+        match &outcome {
+            Outcome::WouldReplay { .. } => summary.would_replay += 1,
+            Outcome::Replayed { duplicate: false, .. } => summary.replayed += 1,
+            Outcome::Replayed { duplicate: true, .. } => summary.duplicates += 1,
+            Outcome::Skipped { .. } => summary.skipped += 1,
+            Outcome::Kept { .. } => summary.kept += 1,
+        }
+        on_record(&record, &outcome);
+    }
+    Ok(summary)
+}
+
+/// Decides, publishes and deletes one record.
+async fn settle(js: &jetstream::Context, stream: &Stream, filter: &Filter, record: &FailedRecord, dry_run: bool) -> Outcome {
+    if record.job_id.is_none() && !filter.asks_for_unnamed(record) {
+        let reason = if record.reason.is_empty() { "its reason" } else { record.reason.as_str() };
+        return Outcome::Skipped {
+            why: format!("no job id (undecodable payload); pass --reason {reason} to replay it as it is"),
+        };
+    }
+    let target = match check_subject(record) {
+        Ok(target) => target,
+        Err(why) => return Outcome::Kept { why },
+    };
+    let msg_id = record.replay_msg_id();
+    if dry_run {
+        return Outcome::WouldReplay { subject: target, msg_id };
+    }
+    let duplicate = match publish(js, record, &target, &msg_id).await {
+        Ok(duplicate) => duplicate,
+        Err(e) => return Outcome::Kept { why: format!("publishing to {target} failed: {e}; the record is kept") },
+    };
+    // Only now, with the job back in SHOTS, may the failed copy go.
+    if let Err(e) = delete(stream, record.seq).await {
+        return Outcome::Kept {
+            why: format!(
+                "queued on {target} as {msg_id}, but the failed copy could not be deleted: {e}; \
+                 rerun within the duplicate window to delete it without queueing the job twice"
+            ),
+        };
+    }
+    Outcome::Replayed { subject: target, msg_id, duplicate }
+}
+
+/// The record's original subject, if it is a job subject a worker serves.
+fn check_subject(record: &FailedRecord) -> Result<String, String> {
+    let Some(original) = record.original_subject.as_deref() else {
+        return Err(format!("no {} header: nowhere to replay it to; the record is kept", failure::ORIGINAL_SUBJECT));
+    };
+    let parsed = subject::parse_job(original)
+        .map_err(|e| format!("{} is not a job subject ({e}); the record is kept", failure::ORIGINAL_SUBJECT))?;
+    if parsed.project.is_empty() || parsed.project.contains(['*', '>']) || original.contains(char::is_whitespace) {
+        return Err(format!(
+            "{} `{original}` names no single project; the record is kept",
+            failure::ORIGINAL_SUBJECT
+        ));
+    }
+    Ok(original.to_owned())
+}
+
+/// Publishes the payload as it was sent and waits for the PubAck; `Ok(true)` for a duplicate.
+async fn publish(js: &jetstream::Context, record: &FailedRecord, target: &str, msg_id: &str) -> Result<bool, String> {
+    let mut headers = HeaderMap::new();
+    if let Some(content_type) = &record.content_type {
+        headers.insert(failure::CONTENT_TYPE, content_type.as_str());
+    }
+    let message = PublishMessage::build().headers(headers).message_id(msg_id).payload(record.payload.clone());
+    let ack = js.send_publish(target.to_owned(), message).await.map_err(|e| e.to_string())?;
+    let ack = ack.await.map_err(|e| e.to_string())?;
+    if ack.stream != subject::JOBS_STREAM {
+        // Only a stream someone added by hand could take a job subject; the job is there now.
+        tracing::warn!(stream = %ack.stream, subject = target, "replayed job stored outside the jobs stream");
+    }
+    Ok(ack.duplicate)
+}
+
+/// Deletes a failed record; one already gone (another replay got there first) is fine.
+async fn delete(stream: &Stream, seq: u64) -> Result<(), String> {
+    match stream.delete_message(seq).await {
+        Ok(_) => Ok(()),
+        Err(e) => match stream.get_raw_message(seq).await {
+            Err(gone) if gone.kind() == LastRawMessageErrorKind::NoMessageFound => Ok(()),
+            _ => Err(e.to_string()),
+        },
+    }
+}
+
+/// `42s`, `17m`, `5h`, `3d`: an age for a table.
+pub fn format_age(age: Duration) -> String {
+    let secs = age.as_secs();
+    match secs {
+        0..90 => format!("{secs}s"),
+        90..5400 => format!("{}m", secs / 60),
+        5400..172_800 => format!("{}h", secs / 3600),
+        _ => format!("{}d", secs / 86_400),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn when_takes_durations_and_timestamps() {
+        let now = SystemTime::UNIX_EPOCH + Duration::from_secs(1_000_000);
+        assert_eq!("2h".parse::<When>().unwrap().resolve(now), now - Duration::from_secs(7200));
+        let at = "1970-01-02T00:00:01.5Z".parse::<When>().unwrap();
+        assert_eq!(at, When::At(SystemTime::UNIX_EPOCH + Duration::from_millis(86_401_500)));
+        let offset = "1970-01-02T02:00:00+02:00".parse::<When>().unwrap();
+        assert_eq!(offset, When::At(SystemTime::UNIX_EPOCH + Duration::from_secs(86_400)));
+        assert!("yesterday".parse::<When>().unwrap_err().contains("RFC 3339"));
+    }
+
+    #[test]
+    fn ages_read_at_a_glance() {
+        assert_eq!(format_age(Duration::from_secs(42)), "42s");
+        assert_eq!(format_age(Duration::from_secs(17 * 60)), "17m");
+        assert_eq!(format_age(Duration::from_secs(5 * 3600)), "5h");
+        assert_eq!(format_age(Duration::from_secs(3 * 86_400)), "3d");
+    }
+
+    fn record(job: Option<&str>, reason: &str, subject: Option<&str>) -> FailedRecord {
+        FailedRecord {
+            seq: 7,
+            subject: "shots.failed.p1.acme".into(),
+            project: Some("acme".into()),
+            job_id: job.map(Into::into),
+            reason: reason.into(),
+            detail: String::new(),
+            attempts: "1".into(),
+            original_subject: subject.map(Into::into),
+            content_type: None,
+            written: SystemTime::now(),
+            payload: Bytes::new(),
+        }
+    }
+
+    #[test]
+    fn msg_ids_name_the_record() {
+        assert_eq!(record(Some("ep1-s1"), "oom", None).replay_msg_id(), "ep1-s1:replay:7");
+        assert_eq!(record(None, "invalid", None).replay_msg_id(), "seq-7:replay:7");
+    }
+
+    #[test]
+    fn only_job_subjects_are_targets() {
+        assert!(check_subject(&record(Some("j"), "oom", Some("shots.p1.m.acme"))).is_ok());
+        assert!(check_subject(&record(Some("j"), "oom", None)).unwrap_err().contains("no Shotfleet-Original-Subject"));
+        assert!(check_subject(&record(Some("j"), "oom", Some("shots.failed.p1.acme"))).is_err());
+        assert!(check_subject(&record(Some("j"), "oom", Some("shots.p1.m.*"))).is_err());
+    }
+
+    #[test]
+    fn unnamed_records_need_their_reason_asked_for() {
+        let unnamed = record(None, "invalid", Some("shots.p1.m.acme"));
+        assert!(!Filter::default().asks_for_unnamed(&unnamed));
+        let asked = Filter { reasons: vec![FailureReason::Invalid], ..Default::default() };
+        assert!(asked.matches(&unnamed) && asked.asks_for_unnamed(&unnamed));
+        let narrowed = Filter { projects: vec!["acme".into()], ..Default::default() };
+        assert_eq!(narrowed.subject(), "shots.failed.*.acme");
+    }
+}
