@@ -35,6 +35,7 @@ use crate::budget::BudgetConfig;
 use crate::faults::FaultConfig;
 use crate::store::StoreConfig;
 use crate::telemetry::TelemetryConfig;
+use crate::worker::degrade::DegradeConfig;
 
 /// Where the graphs run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
@@ -97,6 +98,25 @@ impl PriorityConfig {
     }
 }
 
+/// `[leak_guard]`: memory that creeps up while idle, or plain age, rebuilds the sessions; if the
+/// creep survives a rebuild, the worker exits with `EXIT_RESTART` for its supervisor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct LeakGuardConfig {
+    /// Rebuild after this many jobs (0: never for age alone).
+    pub rebuild_after_jobs: u64,
+    /// Rebuild when the idle usage exceeds the post-load baseline by this much (MiB, 0: off).
+    pub max_idle_growth_mib: u64,
+    /// How often an idle worker measures (each check shrinks the arenas first).
+    pub check_every: Span,
+}
+
+impl Default for LeakGuardConfig {
+    fn default() -> Self {
+        Self { rebuild_after_jobs: 0, max_idle_growth_mib: 2048, check_every: Span(Duration::from_secs(60)) }
+    }
+}
+
 /// Probe renders at start: they measure peaks for the budget and prove the card works.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -142,6 +162,16 @@ pub struct WorkerConfig {
     pub idle_poll: Span,
     /// Threads per graph on the CPU.
     pub intra_threads: Option<usize>,
+    /// Caps ONNX Runtime's CPU arena (MiB), so a CPU worker runs out of memory for real where a
+    /// small card would: for tests and rehearsals of the degrade ladder. Unset: uncapped.
+    pub cpu_arena_max_mib: Option<u64>,
+    /// The degrade ladder's lower end for jobs without a floor.
+    pub degrade: DegradeConfig,
+    /// A job present at this many deliveries when a driver fault strikes goes to the failed
+    /// stream with reason `driver` instead of back to the queue.
+    pub driver_fault_attempts: u64,
+    /// Rebuild sessions (or exit for a restart) against slow leaks.
+    pub leak_guard: LeakGuardConfig,
     /// Where calibration fingerprints are kept.
     pub state_dir: PathBuf,
     pub nats: NatsOptions,
@@ -170,6 +200,10 @@ impl Default for WorkerConfig {
             progress_interval: None,
             idle_poll: Span(Duration::from_millis(100)),
             intra_threads: None,
+            cpu_arena_max_mib: None,
+            degrade: DegradeConfig::default(),
+            driver_fault_attempts: 3,
+            leak_guard: LeakGuardConfig::default(),
             state_dir: PathBuf::from("/var/lib/shotfleet"),
             nats: NatsOptions { name: "shotfleet-consumer".into(), ..NatsOptions::default() },
             store: StoreConfig::default(),

@@ -32,11 +32,39 @@ pub struct FaultConfig {
     /// Add a text chunk naming this worker to every PNG, so two workers' renders of one job
     /// differ as renders on two GPU models do.
     pub mark_images: bool,
+    /// Make the Nth render (1-based) fail with this real CUDA error text instead of rendering,
+    /// e.g. `CUDA failure 999: unknown error`: the driver-fault path, without a broken GPU.
+    pub driver_fault_on_render: Option<u32>,
+    pub driver_fault_text: Option<String>,
+    /// Leak this many MiB (allocated and touched, never freed) after every job: the leak guard's
+    /// test signal.
+    pub leak_mib_per_job: u64,
 }
 
 impl FaultConfig {
     pub fn any(&self) -> bool {
-        self.crash_at.is_some() || self.stall_before_publish.is_some() || self.mark_images
+        self.crash_at.is_some()
+            || self.stall_before_publish.is_some()
+            || self.mark_images
+            || self.driver_fault_on_render.is_some()
+            || self.leak_mib_per_job > 0
+    }
+
+    /// The injected driver error for render number `n` (1-based), if any.
+    pub fn driver_fault(&self, n: u32) -> Option<String> {
+        (self.driver_fault_on_render == Some(n)).then(|| {
+            self.driver_fault_text.clone().unwrap_or_else(|| {
+                "CUDA failure 999: unknown error ; GPU=0 ; hostname=injected ; expr=cudaStreamSynchronize(stream);".into()
+            })
+        })
+    }
+
+    /// Leaks the configured amount, touching every page so it is resident.
+    pub fn leak(&self) {
+        if self.leak_mib_per_job > 0 {
+            let bytes = vec![1u8; (self.leak_mib_per_job * 1024 * 1024) as usize];
+            std::mem::forget(bytes);
+        }
     }
 
     pub fn stall(&self) -> Option<Duration> {

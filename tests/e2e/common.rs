@@ -50,6 +50,10 @@ pub struct WorkerSpec {
     pub time_limit: &'static str,
     pub p1_max_wait: &'static str,
     pub p2_max_wait: &'static str,
+    /// Extra top-level TOML keys (before any section), e.g. `cpu_arena_max_mib = 200`.
+    pub top: String,
+    /// The calibration shapes, as TOML.
+    pub calibration: &'static str,
     /// Extra TOML appended as is (e.g. a `[faults]` section).
     pub extra: String,
     pub store_url: String,
@@ -67,6 +71,8 @@ impl WorkerSpec {
             time_limit: "2m",
             p1_max_wait: "20s",
             p2_max_wait: "60s",
+            top: String::new(),
+            calibration: "[[128, 128, 1], [256, 256, 1], [512, 512, 1]]",
             extra: String::new(),
             store_url: format!("file://{}", store.display()),
             env: Vec::new(),
@@ -85,6 +91,7 @@ job_time_limit = "{limit}"
 intra_threads = 1
 idle_poll = "50ms"
 state_dir = "{state}"
+{top}
 
 [store]
 url = "{store}"
@@ -98,7 +105,7 @@ margin_mib = 64
 total_mib = {total}
 
 [calibration]
-shapes = [[128, 128, 1], [256, 256, 1], [512, 512, 1]]
+shapes = {calibration}
 steps = 1
 
 [telemetry]
@@ -121,6 +128,8 @@ p2_max_wait = "{p2}"
             p1 = self.p1_max_wait,
             p2 = self.p2_max_wait,
             extra = self.extra,
+            top = self.top,
+            calibration = self.calibration,
         )
     }
 }

@@ -1,8 +1,9 @@
 //! `shotfleet-consumer`: one worker process per GPU.
 //!
 //! Parses flags, sets up logging, resolves the config (file, environment, flags) and runs the
-//! worker until SIGTERM or SIGINT. Exit codes: 0 after a clean stop; 2 bad configuration;
-//! 3 a start-up step failed (NATS, store, models, calibration).
+//! worker until SIGTERM or SIGINT. Exit codes, for the supervisor: 0 after a clean stop; 2 bad
+//! configuration; 3 a start-up step failed (NATS, store, models, calibration); 75 a driver
+//! fault (restart the worker, check the GPU); 76 a restart requested by the leak guard.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -98,9 +99,9 @@ async fn main() -> ExitCode {
     match shotfleet_consumer::run(config, env.into_iter().collect(), shutdown_signal()).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            tracing::error!(error = %e, "worker stopped");
+            tracing::error!(error = %e, exit_code = e.exit_code(), "worker stopped");
             eprintln!("shotfleet-consumer: {e}");
-            ExitCode::from(3)
+            ExitCode::from(e.exit_code() as u8)
         }
     }
 }

@@ -23,6 +23,8 @@ pub const GPU_MEMORY_TOTAL_BYTES: &str = "shotfleet_gpu_memory_total_bytes";
 pub const GPU_UTILIZATION_RATIO: &str = "shotfleet_gpu_utilization_ratio";
 pub const ESTIMATE_ERROR_RATIO: &str = "shotfleet_estimate_error_ratio";
 pub const IN_FLIGHT_JOBS: &str = "shotfleet_in_flight_jobs";
+pub const OUT_OF_MEMORY_TOTAL: &str = "shotfleet_out_of_memory_total";
+pub const SESSION_REBUILDS_TOTAL: &str = "shotfleet_session_rebuilds_total";
 
 /// Seconds a job waited in the stream; backfill (`p2`) can wait hours under load.
 const QUEUE_WAIT_BUCKETS: &[f64] =
@@ -115,6 +117,8 @@ fn builder() -> Result<PrometheusBuilder, metrics_exporter_prometheus::BuildErro
 /// HELP lines for `/metrics`.
 fn describe() {
     describe_counter!(JOBS_TOTAL, Unit::Count, "Jobs that left this worker, by outcome, priority and class.");
+    describe_counter!(OUT_OF_MEMORY_TOTAL, Unit::Count, "Renders that ran out of memory (each one corrects the estimate).");
+    describe_counter!(SESSION_REBUILDS_TOTAL, Unit::Count, "Times the leak guard rebuilt the ONNX Runtime sessions.");
     describe_histogram!(QUEUE_WAIT_SECONDS, Unit::Seconds, "Time from publish to fetch, by priority.");
     describe_histogram!(RENDER_SECONDS, Unit::Seconds, "Time to render one job's images, by class.");
     describe_histogram!(UPLOAD_SECONDS, Unit::Seconds, "Time to upload one job's images, retries included.");
@@ -174,6 +178,16 @@ pub fn estimate_error(estimated_bytes: u64, observed_bytes: u64) {
         let ratio = (observed_bytes as f64 - estimated_bytes as f64) / estimated_bytes as f64;
         histogram!(ESTIMATE_ERROR_RATIO).record(ratio);
     }
+}
+
+/// Counts a render that ran out of memory.
+pub fn out_of_memory() {
+    counter!(OUT_OF_MEMORY_TOTAL).increment(1);
+}
+
+/// Counts a rebuild of the sessions by the leak guard.
+pub fn session_rebuilt() {
+    counter!(SESSION_REBUILDS_TOTAL).increment(1);
 }
 
 /// Counts a job in flight until the guard drops, so every exit path (ack, nak, panic unwinding)

@@ -47,9 +47,9 @@ use serde::Deserialize;
 pub use self::health::Health;
 pub use self::metrics::{
     BUDGET_FREE_BYTES, BUDGET_USED_BYTES, ESTIMATE_ERROR_RATIO, GPU_MEMORY_TOTAL_BYTES, GPU_MEMORY_USED_BYTES,
-    GPU_UTILIZATION_RATIO, IN_FLIGHT_JOBS, InFlight, JOBS_TOTAL, JobOutcome, QUEUE_WAIT_SECONDS, RENDER_SECONDS,
-    UPLOAD_SECONDS, budget, estimate_error, gpu_memory, gpu_utilization, in_flight, install, job_finished, queue_wait,
-    render_time, upload_time,
+    GPU_UTILIZATION_RATIO, IN_FLIGHT_JOBS, InFlight, JOBS_TOTAL, JobOutcome, OUT_OF_MEMORY_TOTAL, QUEUE_WAIT_SECONDS,
+    RENDER_SECONDS, SESSION_REBUILDS_TOTAL, UPLOAD_SECONDS, budget, estimate_error, gpu_memory, gpu_utilization, in_flight,
+    install, job_finished, out_of_memory, queue_wait, render_time, session_rebuilt, upload_time,
 };
 pub use self::server::{TelemetryServer, serve};
 

@@ -6,7 +6,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant, SystemTime};
 
-use shotfleet_schema::encoding::{self, InvalidJob};
+use shotfleet_schema::encoding::{self, ContentType, InvalidJob};
+use shotfleet_schema::subject;
 use shotfleet_schema::failure::FailureReason;
 use shotfleet_schema::subject::SubjectClass;
 use shotfleet_schema::{ImageRef, ResultStatus, ShotJob, ShotResult, Timing};
@@ -14,10 +15,11 @@ use tracing::{info, warn};
 
 use crate::budget::Reservation;
 use crate::faults::{self, CrashPoint};
-use crate::pipeline::{RenderError, RenderOutput, RenderRequest, RenderedImage};
+use crate::failure::{classify_render, ErrorKind};
+use crate::pipeline::{CancelHandle, RenderControl, RenderError, RenderOutput, RenderRequest, RenderedImage, Stage, VaeDecode};
 use crate::telemetry::{self, JobOutcome};
 use crate::worker::delivery::{backoff, Delivery};
-use crate::worker::{commit, failed, route, Shared};
+use crate::worker::{commit, degrade, failed, route, Shared};
 
 /// Handles one delivery to the end: it is acked, naked, terminated or routed when this returns.
 pub async fn handle(shared: Arc<Shared>, delivery: Delivery) {
@@ -74,18 +76,11 @@ async fn render_and_commit(shared: &Arc<Shared>, delivery: &Delivery, job: &Shot
         Err(e) => return nak_transient(shared, delivery, job, &e.to_string()).await,
     }
 
-    // 2. Plan: the largest sub-batch of this job's images that the budget holds now.
-    let Some((batch, reservation)) = plan(shared, job) else {
-        info!(job = %job.job_id, "no room for this job now; giving it back");
-        delivery.nak(Some(Duration::from_millis(500))).await;
-        return JobOutcome::Nak;
-    };
-
-    // 3. Render off the async threads, telling the server we are alive meanwhile.
-    let rendered = render(shared, delivery, job, batch, reservation).await;
-    let output = match rendered {
+    // 2-3. Plan the largest sub-batch the budget holds now and render it off the async threads,
+    // stepping down the in-place rungs on out-of-memory.
+    let output = match render_in_place(shared, delivery, job).await {
         Ok(output) => output,
-        Err(failure) => return settle_render_failure(shared, delivery, job, failure).await,
+        Err(outcome) => return outcome,
     };
     telemetry::render_time(SubjectClass::Class(job.class()), output.elapsed);
 
@@ -130,6 +125,7 @@ async fn render_and_commit(shared: &Arc<Shared>, delivery: &Delivery, job: &Shot
         Err(e) => return nak_transient(shared, delivery, job, &e.to_string()).await,
     };
     shared.config.faults.crash_point(CrashPoint::AfterPublish);
+    shared.config.faults.leak();
 
     // 6. Sweep what the committed result does not name, then ack.
     finish_committed(shared, delivery, &committed).await;
@@ -170,19 +166,139 @@ struct Rendered {
 
 /// Why a render did not finish.
 enum RenderFailure {
-    /// The worker is shutting down past its grace period.
+    /// The worker is shutting down past its grace period (or after a driver fault elsewhere).
     Shutdown,
     /// The job ran past `job_time_limit`.
     TimeLimit(Duration),
     Error(RenderError),
 }
 
+/// How one render attempt uses memory: the in-place rungs of the degrade ladder.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Attempt {
+    /// Images per UNet sub-batch.
+    batch: u32,
+    vae: VaeDecode,
+}
+
+/// Renders the job, and on out-of-memory steps down in place (smaller UNet batches down to one
+/// image, then a tiled VAE decode: the same images, one job, one result) before re-publishing it
+/// one rung down. The first out-of-memory of a job only gives it back, so a roomier worker can
+/// render it at full quality; this worker's estimate is corrected either way.
+async fn render_in_place(shared: &Arc<Shared>, delivery: &Delivery, job: &ShotJob) -> Result<Rendered, JobOutcome> {
+    let Some((batch, mut reservation)) = plan(shared, job) else {
+        info!(job = %job.job_id, "no room for this job now; giving it back");
+        delivery.nak(Some(Duration::from_millis(500))).await;
+        return Err(JobOutcome::Nak);
+    };
+    let mut attempt = Attempt { batch, vae: VaeDecode::Whole };
+    let deadline = Instant::now() + shared.config.job_time_limit.0;
+    loop {
+        let error = match render(shared, delivery, job, attempt, reservation, deadline).await {
+            Ok(rendered) => return Ok(rendered),
+            Err(RenderFailure::Error(error)) => error,
+            Err(other) => return Err(settle_stop(shared, delivery, job, other).await),
+        };
+        match classify_render(&error) {
+            ErrorKind::Oom => {}
+            ErrorKind::DriverFault => return Err(driver_fault(shared, delivery, job, &error.to_string()).await),
+            ErrorKind::Invalid => {
+                let detail = format!("this model cannot render it: {error}");
+                failed::fail(shared, delivery, Some(&job.job_id), FailureReason::Invalid, &detail).await;
+                return Err(JobOutcome::Failed);
+            }
+            ErrorKind::Transient | ErrorKind::Timeout => {
+                return Err(nak_transient(shared, delivery, job, &error.to_string()).await);
+            }
+        }
+        // Out of memory: learn, give memory back, then decide.
+        let planned = shared.budget.observe_oom(job.width, job.height, attempt.batch);
+        telemetry::out_of_memory();
+        shrink_arenas(shared).await;
+        warn!(job = %job.job_id, batch = attempt.batch, vae = ?attempt.vae, attempt = delivery.attempt, planned_now = planned, detail = %error, "out of memory");
+        if delivery.attempt == 1 && attempt.batch == batch && attempt.vae == VaeDecode::Whole {
+            delivery.nak(Some(FIRST_OOM_DELAY)).await;
+            return Err(JobOutcome::Nak);
+        }
+        attempt = match next_in_place(job, attempt, error.stage()) {
+            Some(next) => next,
+            None => return Err(republish_smaller(shared, delivery, job).await),
+        };
+        reservation = match shared.budget.reserve(job.width, job.height, attempt.batch) {
+            Ok(Some(reservation)) => reservation,
+            _ => {
+                delivery.nak(Some(FIRST_OOM_DELAY)).await;
+                return Err(JobOutcome::Nak);
+            }
+        };
+        info!(job = %job.job_id, batch = attempt.batch, vae = ?attempt.vae, "degrading in place");
+    }
+}
+
+/// How long a job waits after its first out-of-memory: long enough for another worker's pull.
+const FIRST_OOM_DELAY: Duration = Duration::from_secs(1);
+
+/// The next in-place rung: half the UNet batch, down to one image; then, when the decoder is
+/// what ran out, a tiled VAE decode (it cannot help a UNet that does not fit).
+fn next_in_place(job: &ShotJob, attempt: Attempt, failed_at: Option<Stage>) -> Option<Attempt> {
+    if attempt.batch > 1 {
+        return Some(Attempt { batch: attempt.batch / 2, ..attempt });
+    }
+    if failed_at != Some(Stage::Vae) {
+        return None;
+    }
+    // Tiles of about half the longer side (multiples of 64, 128..=1024); an image no larger than
+    // one tile would decode whole, so a tile must be smaller than the image to help.
+    let tile = (job.width.max(job.height) / 2 / 64 * 64).clamp(128, 1024);
+    let tiled = VaeDecode::tiled(tile);
+    (attempt.vae == VaeDecode::Whole && tile < job.width.max(job.height)).then_some(Attempt { vae: tiled, ..attempt })
+}
+
+/// Re-publishes the job one rung down, or fails it with reason `oom` below its floor.
+async fn republish_smaller(shared: &Shared, delivery: &Delivery, job: &ShotJob) -> JobOutcome {
+    let Some(smaller) = degrade::next_rung(job, &shared.config.degrade) else {
+        let detail = format!("out of memory at {}x{}, {} steps, one image at a time with a tiled VAE, and the floor is reached", job.width, job.height, job.steps);
+        failed::fail(shared, delivery, Some(&job.job_id), FailureReason::Oom, &detail).await;
+        return JobOutcome::Failed;
+    };
+    let level = smaller.degrade.map_or(1, |d| d.level);
+    let target = subject::job(delivery.origin.priority, SubjectClass::Class(smaller.class()), &smaller.project);
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert(encoding::HEADER, ContentType::MessagePack.as_str());
+    headers.insert("Nats-Msg-Id", subject::msg_id::degrade(&job.job_id, level).as_str());
+    let payload = encoding::encode(ContentType::MessagePack, &smaller);
+    let published = match shared.js.publish_with_headers(target.clone(), headers, payload.into()).await {
+        Ok(ack) => ack.await.map_err(|e| e.to_string()),
+        Err(e) => Err(e.to_string()),
+    };
+    match published {
+        Ok(_) => {
+            if let Err(e) = delivery.done().await {
+                warn!(job = %job.job_id, error = %e, "degraded copy stored but the original's ack failed; the duplicate window absorbs the retry");
+            }
+            info!(job = %job.job_id, level, width = smaller.width, height = smaller.height, steps = smaller.steps, to = %target, "re-published one rung down");
+            JobOutcome::DegradeRepublished
+        }
+        Err(e) => nak_transient(shared, delivery, job, &format!("cannot re-publish the degraded job: {e}")).await,
+    }
+}
+
+async fn shrink_arenas(shared: &Arc<Shared>) {
+    let pipeline = shared.pipeline();
+    match tokio::task::spawn_blocking(move || pipeline.shrink_arenas()).await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => warn!(error = %e, "arena shrink failed"),
+        Err(e) => warn!(error = %e, "arena shrink task failed"),
+    }
+}
+
 async fn render(
     shared: &Arc<Shared>,
     delivery: &Delivery,
     job: &ShotJob,
-    batch: u32,
+    attempt: Attempt,
     reservation: Reservation,
+    deadline: Instant,
 ) -> Result<Rendered, RenderFailure> {
     let request = RenderRequest {
         prompt: job.prompt.clone(),
@@ -193,30 +309,33 @@ async fn render(
         guidance: job.guidance,
         seed: job.seed,
         image_indices: (0..job.images).collect(),
-        max_batch: batch as usize,
+        max_batch: attempt.batch as usize,
     };
     let started = Instant::now();
-    let limit = shared.config.job_time_limit.0;
+    let render_number = shared.renders.fetch_add(1, Ordering::Relaxed) + 1;
+    if let Some(text) = shared.config.faults.driver_fault(render_number) {
+        warn!(job = %job.job_id, "fault injection: this render fails as a driver fault");
+        let source = ort::Error::new(text);
+        return Err(RenderFailure::Error(RenderError::Runtime { stage: Stage::Unet, source }));
+    }
+    let control = RenderControl { vae_decode: attempt.vae, cancel: CancelHandle::new() };
+    // Stops the run in progress (ONNX Runtime's terminate) at the time limit or on abort.
     let timed_out = Arc::new(AtomicBool::new(false));
-    let abort = shared.abort.clone();
-
+    let stopper = {
+        let (cancel, abort, timed_out) = (control.cancel.clone(), shared.abort.clone(), timed_out.clone());
+        tokio::spawn(async move {
+            tokio::select! {
+                () = abort.cancelled() => {}
+                () = tokio::time::sleep_until(deadline.into()) => timed_out.store(true, Ordering::Relaxed),
+            }
+            cancel.cancel();
+        })
+    };
     let keeper = tokio::spawn(keep_alive(delivery.clone(), shared.progress_interval, shared.config.faults.stall().is_some()));
-    let pipeline = shared.pipeline.clone();
+    let pipeline = shared.pipeline();
     let meter = shared.meter.clone();
-    let flag = timed_out.clone();
     let outcome = tokio::task::spawn_blocking(move || {
-        let render = || {
-            pipeline.render(&request, &mut |_| {
-                if abort.is_cancelled() {
-                    return ControlFlow::Break(());
-                }
-                if started.elapsed() > limit {
-                    flag.store(true, Ordering::Relaxed);
-                    return ControlFlow::Break(());
-                }
-                ControlFlow::Continue(())
-            })
-        };
+        let render = || pipeline.render_with(&request, &control, &mut |_| ControlFlow::Continue(()));
         match meter {
             Some(meter) => match meter.measure(render) {
                 Ok((result, peak)) => (result, Some(peak)),
@@ -227,6 +346,7 @@ async fn render(
     })
     .await;
     keeper.abort();
+    stopper.abort();
     let elapsed = started.elapsed();
     let (result, peak) = match outcome {
         Ok(pair) => pair,
@@ -242,8 +362,10 @@ async fn render(
     drop(reservation);
     match result {
         Ok(output) => Ok(Rendered { output, elapsed }),
-        Err(RenderError::Cancelled { .. }) if timed_out.load(Ordering::Relaxed) => Err(RenderFailure::TimeLimit(elapsed)),
-        Err(RenderError::Cancelled { .. }) => Err(RenderFailure::Shutdown),
+        Err(RenderError::Cancelled { .. } | RenderError::Terminated { .. }) if timed_out.load(Ordering::Relaxed) => {
+            Err(RenderFailure::TimeLimit(elapsed))
+        }
+        Err(RenderError::Cancelled { .. } | RenderError::Terminated { .. }) => Err(RenderFailure::Shutdown),
         Err(e) => Err(RenderFailure::Error(e)),
     }
 }
@@ -261,22 +383,31 @@ async fn keep_alive(delivery: Delivery, interval: Duration, disabled: bool) {
     }
 }
 
-async fn settle_render_failure(shared: &Shared, delivery: &Delivery, job: &ShotJob, failure: RenderFailure) -> JobOutcome {
+/// A render stopped from outside: shutdown gives the job back at once, the time limit is a
+/// transient failure.
+async fn settle_stop(shared: &Shared, delivery: &Delivery, job: &ShotJob, failure: RenderFailure) -> JobOutcome {
     match failure {
-        RenderFailure::Shutdown => {
-            info!(job = %job.job_id, "shutting down: giving the job back now");
-            delivery.nak(None).await;
-            JobOutcome::Nak
-        }
         RenderFailure::TimeLimit(took) => {
             nak_transient(shared, delivery, job, &format!("render stopped at the time limit after {:.1}s", took.as_secs_f64())).await
         }
-        RenderFailure::Error(RenderError::InvalidRequest(detail)) => {
-            failed::fail(shared, delivery, Some(&job.job_id), FailureReason::Invalid, &format!("this model cannot render it: {detail}")).await;
-            JobOutcome::Failed
+        RenderFailure::Shutdown | RenderFailure::Error(_) => {
+            info!(job = %job.job_id, "stopping: giving the job back now");
+            delivery.nak(None).await;
+            JobOutcome::Nak
         }
-        RenderFailure::Error(e) => nak_transient(shared, delivery, job, &e.to_string()).await,
     }
+}
+
+/// The GPU is broken for this process: stop the worker, and give the job back (or, when it was
+/// present at repeated faults, fail it with reason `driver`).
+async fn driver_fault(shared: &Shared, delivery: &Delivery, job: &ShotJob, detail: &str) -> JobOutcome {
+    shared.driver_fault(Some(&job.job_id), detail).await;
+    if delivery.attempt >= shared.config.driver_fault_attempts {
+        failed::fail(shared, delivery, Some(&job.job_id), FailureReason::Driver, detail).await;
+        return JobOutcome::Failed;
+    }
+    delivery.nak(None).await;
+    JobOutcome::Nak
 }
 
 /// A failure that may pass: nak with backoff, or on the last allowed delivery, a failed record

@@ -12,11 +12,14 @@
 //! - [`route`]: `auto` and wrong-class jobs; [`failed`]: failed records;
 //! - [`delivery`]: a fetched message and its acks.
 
+pub mod advisory;
 pub mod commit;
+pub mod degrade;
 pub mod delivery;
 pub mod failed;
 pub mod fetch;
 pub mod job;
+pub mod leak;
 pub mod priority;
 pub mod route;
 pub mod startup;
@@ -43,6 +46,23 @@ use crate::telemetry::{self, Health};
 pub enum WorkerError {
     #[error("cannot {step}: {detail}")]
     Start { step: String, detail: String },
+    /// The GPU or its driver failed; the process must be restarted (`EXIT_DRIVER_FAULT`).
+    #[error("driver fault: {0}")]
+    DriverFault(String),
+    /// Memory crept up and survived a session rebuild; restart the process (`EXIT_RESTART`).
+    #[error("restart needed: {0}")]
+    Restart(String),
+}
+
+impl WorkerError {
+    /// The exit code for the supervisor.
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            Self::Start { .. } => 3,
+            Self::DriverFault(_) => crate::failure::EXIT_DRIVER_FAULT,
+            Self::Restart(_) => crate::failure::EXIT_RESTART,
+        }
+    }
 }
 
 impl WorkerError {
@@ -58,10 +78,14 @@ pub struct Shared {
     pub results: jetstream::stream::Stream,
     pub store: Store,
     pub budget: Budget,
+    pub probe: Arc<dyn crate::budget::GpuProbe>,
     /// Measures each render's peak for the budget to learn from (one at a time: with
     /// `concurrency > 1` renders overlap and are not measured).
     pub meter: Option<Arc<crate::budget::PeakMeter>>,
-    pub pipeline: Arc<Pipeline>,
+    /// The models; taken out and put back by the leak guard's rebuild while no job runs.
+    pipeline: std::sync::RwLock<Option<Arc<Pipeline>>>,
+    /// Renders started since start (fault injection counts them).
+    pub renders: std::sync::atomic::AtomicU32,
     /// The device's name as the probe reports it (`NVIDIA H200`, `simulated (cpu)`).
     pub device_name: String,
     /// How often a job in progress sends `AckKind::Progress`.
@@ -70,6 +94,72 @@ pub struct Shared {
     pub max_deliver: u64,
     /// Cancelled when the grace period is over: renders stop and their jobs are naked.
     pub abort: CancellationToken,
+    /// Cancelled to stop fetching: shutdown, a driver fault, a restart.
+    pub stop: CancellationToken,
+    /// Why the worker must exit with a non-zero code, once known.
+    exit: std::sync::Mutex<Option<WorkerError>>,
+}
+
+impl Shared {
+    /// The current models.
+    pub fn pipeline(&self) -> Arc<Pipeline> {
+        self.pipeline
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+            .expect("the models are only taken out while no job runs")
+    }
+
+    /// Takes the models out for a rebuild; `None` (and nothing taken) while a job holds them.
+    fn take_pipeline(&self) -> Option<Pipeline> {
+        let mut slot = self.pipeline.write().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let arc = slot.take()?;
+        match Arc::try_unwrap(arc) {
+            Ok(pipeline) => Some(pipeline),
+            Err(arc) => {
+                *slot = Some(arc);
+                None
+            }
+        }
+    }
+
+    fn put_pipeline(&self, pipeline: Pipeline) {
+        *self.pipeline.write().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(Arc::new(pipeline));
+    }
+
+    /// A driver fault: stop fetching, cancel every render now (their jobs are naked at once, so
+    /// other workers take them), tell the fleet, and exit with `EXIT_DRIVER_FAULT` afterwards.
+    pub async fn driver_fault(&self, job_id: Option<&str>, detail: &str) {
+        tracing::error!(job = job_id.unwrap_or("-"), detail, "driver fault: stopping this worker");
+        self.set_exit(WorkerError::DriverFault(detail.to_owned()));
+        self.stop.cancel();
+        self.abort.cancel();
+        let event = serde_json::json!({
+            "worker": self.config.worker_id,
+            "device": self.device_name,
+            "job_id": job_id,
+            "detail": detail,
+            "at_ms": std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_millis() as u64,
+        });
+        let subject = format!("{}.fault.{}", shotfleet_schema::subject::ROOT, subject_token(&self.config.worker_id));
+        if let Err(e) = self.js.publish(subject, event.to_string().into()).await {
+            warn!(error = %e, "could not publish the fault event");
+        }
+    }
+
+    fn set_exit(&self, error: WorkerError) {
+        let mut exit = self.exit.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        exit.get_or_insert(error);
+    }
+
+    fn take_exit(&self) -> Option<WorkerError> {
+        self.exit.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take()
+    }
+}
+
+/// A worker id as one subject token (`host/gpu0` stays, dots and spaces become `_`).
+fn subject_token(id: &str) -> String {
+    id.chars().map(|c| if c == '.' || c == '*' || c == '>' || c.is_whitespace() { '_' } else { c }).collect()
 }
 
 /// Runs a worker until `shutdown` resolves. `env` is the process environment (credentials).
@@ -85,6 +175,7 @@ pub async fn run(
         warn!(faults = ?config.faults, "FAULT INJECTION IS ON: this worker will misbehave on purpose");
     }
     let stop = CancellationToken::new();
+    let shutdown_requested = stop.clone();
     {
         let stop = stop.clone();
         tokio::spawn(async move {
@@ -115,6 +206,8 @@ pub async fn run(
         .get_stream(shotfleet_schema::subject::RESULTS_STREAM)
         .await
         .map_err(|e| WorkerError::start("open stream SHOT_RESULTS (run `shotfleet setup`)", e))?;
+    // Subscribed before the models load: an advisory emitted meanwhile waits in the subscription.
+    let advisories = advisory::subscribe(&client).await.map_err(|e| WorkerError::start("listen for max-delivery advisories", e))?;
     let mut consumers =
         fetch::Consumers::bind(&jobs_stream, &config.classes).await.map_err(|e| WorkerError::start("bind consumers", e))?;
     let (ack_wait, max_deliver) = consumers.limits().await.map_err(|e| WorkerError::start("read consumer limits", e))?;
@@ -134,18 +227,24 @@ pub async fn run(
         results,
         store,
         budget: ready.budget,
+        probe: ready.probe,
         meter,
-        pipeline: ready.pipeline,
+        pipeline: std::sync::RwLock::new(Some(ready.pipeline)),
+        renders: std::sync::atomic::AtomicU32::new(0),
         device_name,
         progress_interval,
         max_deliver,
         abort: CancellationToken::new(),
+        stop: stop.clone(),
+        exit: std::sync::Mutex::new(None),
     });
+    let _advisories = advisory::listen(shared.clone(), advisories);
     health.set_ready();
     info!(worker = %shared.config.worker_id, classes = ?shared.config.classes, "taking jobs");
 
     let tracker = TaskTracker::new();
-    fetch_loop(&shared, &consumers, &tracker, &stop).await;
+    let mut guard = leak::LeakGuard::new(&shared).await;
+    fetch_loop(&shared, &consumers, &tracker, &mut guard).await;
 
     // Shutdown: no more fetching; in-flight jobs get the grace period, then are cancelled.
     health.set_draining();
@@ -160,13 +259,23 @@ pub async fn run(
     if let Err(e) = client.drain().await {
         warn!(error = %e, "draining the NATS connection failed");
     }
+    if !shutdown_requested.is_cancelled() {
+        // Stopped by a fault or the leak guard, not by a signal: the telemetry server stops too.
+        shutdown_requested.cancel();
+    }
     let _ = telemetry_server.stopped().await;
-    info!("stopped");
-    Ok(())
+    match shared.take_exit() {
+        Some(error) => Err(error),
+        None => {
+            info!("stopped");
+            Ok(())
+        }
+    }
 }
 
 /// The loop: admit, fetch, hand out; sleep a little when there is nothing to do.
-async fn fetch_loop(shared: &Arc<Shared>, consumers: &fetch::Consumers, tracker: &TaskTracker, stop: &CancellationToken) {
+async fn fetch_loop(shared: &Arc<Shared>, consumers: &fetch::Consumers, tracker: &TaskTracker, guard: &mut leak::LeakGuard) {
+    let stop = &shared.stop;
     let slots = Arc::new(Semaphore::new(shared.config.concurrency));
     let finished = Arc::new(Notify::new());
     let mut scheduler = priority::Scheduler::new(&shared.config.priorities, Instant::now());
@@ -181,6 +290,13 @@ async fn fetch_loop(shared: &Arc<Shared>, consumers: &fetch::Consumers, tracker:
         }
 
         let free = slots.available_permits();
+        if free == shared.config.concurrency
+            && let Err(error) = guard.check(shared).await
+        {
+            shared.set_exit(error);
+            stop.cancel();
+            break;
+        }
         if free > 0 {
             export_budget(&shared.budget);
             match shared.budget.admit(&shared.config.classes) {
@@ -195,10 +311,18 @@ async fn fetch_loop(shared: &Arc<Shared>, consumers: &fetch::Consumers, tracker:
                             drop(permit);
                             finished.notify_one();
                         });
+                        guard.job_started();
                     }
                 }
                 Ok(_) => {}
-                Err(e) => warn!(error = %e, "cannot read the GPU; not fetching"),
+                Err(e) => {
+                    let driver = e.nvml_error().map(crate::failure::classify_nvml) == Some(crate::failure::ErrorKind::DriverFault);
+                    if driver {
+                        shared.driver_fault(None, &format!("NVML: {e}")).await;
+                        break;
+                    }
+                    warn!(error = %e, "cannot read the GPU; not fetching");
+                }
             }
         }
 

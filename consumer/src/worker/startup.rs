@@ -107,7 +107,12 @@ fn pipeline_options(config: &WorkerConfig, total: u64, free: u64) -> PipelineOpt
             Device::Cuda { gpu: config.gpu, mem_limit_bytes: Some(cap.saturating_sub(b.reserve_mib * budget::MIB)) }
         }
     };
-    PipelineOptions { device, intra_threads: config.intra_threads, ..PipelineOptions::default() }
+    PipelineOptions {
+        device,
+        intra_threads: config.intra_threads,
+        cpu_arena_max_mem: config.cpu_arena_max_mib.map(|mib| mib * budget::MIB),
+        ..PipelineOptions::default()
+    }
 }
 
 /// One probe render of `shape`, returning its peak memory above the models.
