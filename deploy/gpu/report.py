@@ -108,7 +108,7 @@ def images_md(rows: list[dict], diff: dict | None) -> list[str]:
     for r in rows:
         if r.get("status") != "ok" and not r.get("images_per_s"):
             out.append(f"| {r['system']} | {num(r.get('batch'), 'd')} | {r.get('status')} | | | | | | | | "
-                       f"{str(r.get('note', ''))[:100]} |")
+                       f"{str(r.get('note', ''))[:400]} |")
             continue
         busy = f"{r['busy_fraction'] * 100:.0f}%" if isinstance(r.get("busy_fraction"), (int, float)) else "-"
         batch = num(r.get("batch"), "d")
@@ -122,7 +122,9 @@ def images_md(rows: list[dict], diff: dict | None) -> list[str]:
     out += ["",
             "Peak VRAM: diffusers rows give torch.cuda.max_memory_allocated over the timed calls; fleet rows what "
             "fleet.sh reports for the worker. NVML used is device-wide. Warm-up: the first call (eager: CUDA and "
-            "cuDNN start; compiled: compilation; fleet: start to first image). GPU busy: mean NVML utilization "
+            "cuDNN start; compiled: compilation; fleet: worker start to /readyz 200, i.e. load, sessions and probe "
+            "renders). Fleet images/s: submit to the last result of the set (fleet.json also has the steady rate, "
+            "first job excluded). GPU busy: mean NVML utilization "
             "over the timed part (share of time with a kernel running, not SM occupancy).", ""]
     return out
 
