@@ -96,23 +96,39 @@ pub async fn wait(
     Ok(outcomes)
 }
 
+/// An ordered consumer over one stream and filter. Retried for a while: during a cluster's
+/// leader election, JetStream API requests time out until a new leader answers.
 async fn follow(
     js: &jetstream::Context,
     stream: &str,
     filter: String,
 ) -> Result<consumer::push::Ordered, WaitError> {
-    let err = |detail: String| WaitError::Follow { what: format!("{stream} ({filter})"), detail };
-    let stream = js.get_stream(stream).await.map_err(|e| err(e.to_string()))?;
+    const PATIENCE: std::time::Duration = std::time::Duration::from_secs(30);
+    let started = tokio::time::Instant::now();
+    loop {
+        match try_follow(js, stream, &filter).await {
+            Ok(messages) => return Ok(messages),
+            Err(detail) if started.elapsed() < PATIENCE => {
+                tracing::warn!(stream, filter = %filter, error = %detail, "cannot follow yet; retrying");
+                tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+            }
+            Err(detail) => return Err(WaitError::Follow { what: format!("{stream} ({filter})"), detail }),
+        }
+    }
+}
+
+async fn try_follow(js: &jetstream::Context, stream: &str, filter: &str) -> Result<consumer::push::Ordered, String> {
+    let stream = js.get_stream(stream).await.map_err(|e| e.to_string())?;
     let consumer = stream
         .create_consumer(consumer::push::OrderedConfig {
             deliver_subject: js_inbox(),
-            filter_subject: filter.clone(),
+            filter_subject: filter.to_owned(),
             deliver_policy: consumer::DeliverPolicy::All,
             ..Default::default()
         })
         .await
-        .map_err(|e| err(e.to_string()))?;
-    consumer.messages().await.map_err(|e| err(e.to_string()))
+        .map_err(|e| e.to_string())?;
+    consumer.messages().await.map_err(|e| e.to_string())
 }
 
 fn js_inbox() -> String {

@@ -287,12 +287,20 @@ pub fn check_store(root: &Path, result: &ShotResult) {
     }
 }
 
-/// Waits until the work queue is empty: every job acked (and so swept).
+/// Waits until the work queue is empty: every job acked (and so swept). Errors are retried: on
+/// a cluster that just lost a node, requests time out until a new leader is elected.
 pub async fn wait_settled(js: &jetstream::Context, timeout: Duration) {
-    let mut stream = js.get_stream(shotfleet_schema::subject::JOBS_STREAM).await.expect("jobs stream");
     let deadline = Instant::now() + timeout;
-    while stream.info().await.expect("stream info").state.messages > 0 {
-        assert!(Instant::now() < deadline, "jobs still unacked after {timeout:?}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
+    loop {
+        let remaining = match js.get_stream(shotfleet_schema::subject::JOBS_STREAM).await {
+            Ok(mut stream) => stream.info().await.map(|i| i.state.messages).map_err(|e| e.to_string()),
+            Err(e) => Err(e.to_string()),
+        };
+        match remaining {
+            Ok(0) => return,
+            Ok(n) => assert!(Instant::now() < deadline, "{n} jobs still unacked after {timeout:?}"),
+            Err(e) => assert!(Instant::now() < deadline, "cannot read the jobs stream: {e}"),
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
     }
 }

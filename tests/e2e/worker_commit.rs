@@ -109,7 +109,7 @@ async fn images_go_to_s3_with_the_same_protocol() {
     let server = NatsServer::start();
     let js = jetstream_with(&server.url(), &Topology::default()).await;
     let s3 = S3Server::start();
-    create_bucket(&s3.endpoint(), "renders");
+    s3.create_bucket("renders");
     let scratch = tempfile::tempdir().unwrap();
     let mut spec = WorkerSpec::new("s3-worker", scratch.path());
     spec.store_url = "s3://renders/shotfleet".into();
@@ -136,22 +136,4 @@ async fn images_go_to_s3_with_the_same_protocol() {
     }
     let listed = client.list_job("acme", "s3-1").await.unwrap();
     assert_eq!(listed.len(), 2, "nothing else under the job: {listed:?}");
-}
-
-fn create_bucket(endpoint: &str, bucket: &str) {
-    let (status, _) = http_request(endpoint, "PUT", &format!("/{bucket}"));
-    assert!(status == 200, "bucket creation answered {status}");
-}
-
-fn http_request(endpoint: &str, method: &str, path: &str) -> (u16, Vec<u8>) {
-    use std::io::{Read, Write};
-    let host = endpoint.trim_start_matches("http://");
-    let mut stream = std::net::TcpStream::connect(host).unwrap();
-    write!(stream, "{method} {path} HTTP/1.0\r\nHost: {host}\r\nContent-Length: 0\r\n\r\n").unwrap();
-    let mut response = Vec::new();
-    stream.read_to_end(&mut response).unwrap();
-    let split = response.windows(4).position(|w| w == b"\r\n\r\n").unwrap();
-    let head = String::from_utf8_lossy(&response[..split]).to_string();
-    let status = head.split_whitespace().nth(1).unwrap().parse().unwrap();
-    (status, response[split + 4..].to_vec())
 }

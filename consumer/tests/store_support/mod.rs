@@ -2,9 +2,6 @@
 
 #![allow(dead_code)] // each test binary uses a different part
 
-use std::io::{Read, Write};
-use std::net::TcpStream;
-use std::time::Duration;
 
 use shotfleet_consumer::store::{RetryConfig, Store, StoreConfig};
 use shotfleet_testkit::S3Server;
@@ -54,17 +51,9 @@ pub fn no_env() -> Vec<(String, String)> {
     Vec::new()
 }
 
-/// Creates the bucket with a bare `PUT /<bucket>`: object_store cannot create buckets, and moto
-/// accepts unsigned requests.
+/// Creates the test bucket.
 pub fn create_bucket(server: &S3Server) {
-    let address = server.endpoint().trim_start_matches("http://").to_owned();
-    let mut stream = TcpStream::connect(&address).unwrap();
-    stream.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
-    write!(stream, "PUT /{BUCKET} HTTP/1.1\r\nHost: {address}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
-        .unwrap();
-    let mut response = String::new();
-    stream.read_to_string(&mut response).unwrap();
-    assert!(response.starts_with("HTTP/1.1 200"), "create bucket: {response}");
+    server.create_bucket(BUCKET);
 }
 
 /// Bytes that stand in for a PNG: the store never parses them.

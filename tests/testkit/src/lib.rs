@@ -11,7 +11,9 @@ pub mod nats;
 pub mod paths;
 pub mod ports;
 pub mod process;
+pub mod proxy;
 pub mod s3;
 
 pub use nats::{Cluster, NatsServer, ServerBinary};
+pub use proxy::TcpProxy;
 pub use s3::S3Server;
