@@ -1,0 +1,94 @@
+//! The worker's configuration: file, then environment, then flags; bad values are refused at
+//! start with the setting's name and what would fix it.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+
+use shotfleet_consumer::config::{DeviceKind, Overrides, WorkerConfig};
+use shotfleet_schema::MemoryClass;
+
+fn model() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../onnx/tiny/model")
+}
+
+fn write(text: &str) -> (tempfile::TempDir, PathBuf) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("worker.toml");
+    std::fs::write(&path, text).unwrap();
+    (dir, path)
+}
+
+/// A CPU config: `top` holds top-level keys, `sections` more sections after the simulated GPU.
+fn cpu(top: &str, sections: &str) -> String {
+    format!("device = \"cpu\"\n{top}\n[budget.simulate]\ntotal_mib = 4096\n{sections}")
+}
+
+fn env(pairs: &[(&str, &str)]) -> HashMap<String, String> {
+    pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+}
+
+fn error(file: &str, env_pairs: &[(&str, &str)], flags: Overrides) -> String {
+    let (_dir, path) = write(file);
+    WorkerConfig::resolve(Some(&path), &env(env_pairs), flags).unwrap_err().to_string()
+}
+
+#[test]
+fn environment_overrides_the_file_and_flags_override_the_environment() {
+    let model = model();
+    let (_dir, path) = write(&cpu("model = \"/nonexistent\"\nclasses = [\"xs\"]", "[nats]\nserver = \"nats://file:4222\"\n"));
+    let config = WorkerConfig::resolve(
+        Some(&path),
+        &env(&[("NATS_URL", "nats://env:4222"), ("SHOTFLEET_MODEL", model.to_str().unwrap()), ("SHOTFLEET_STORE", "file:///tmp/x")]),
+        Overrides { server: Some("nats://flag:4222".into()), classes: Some("xs,s".into()), ..Default::default() },
+    )
+    .unwrap();
+    assert_eq!(config.nats.server, "nats://flag:4222");
+    assert_eq!(config.model, model);
+    assert_eq!(config.store.url, "file:///tmp/x");
+    assert_eq!(config.classes, [MemoryClass::Xs, MemoryClass::S]);
+    assert_eq!(config.device, DeviceKind::Cpu);
+    assert!(config.worker_id.ends_with("/cpu"), "{}", config.worker_id);
+}
+
+#[test]
+fn bad_settings_are_named() {
+    let m = model();
+    let m = m.to_str().unwrap();
+    let with_model = [("SHOTFLEET_MODEL", m)];
+    let e = error(&cpu("", ""), &[], Overrides::default());
+    assert!(e.contains("model") && e.contains("no model folder"), "{e}");
+    let e = error(&cpu("", ""), &[("SHOTFLEET_MODEL", "/nope")], Overrides::default());
+    assert!(e.contains("/nope is not a folder"), "{e}");
+    let e = error("device = \"cpu\"\n", &with_model, Overrides::default());
+    assert!(e.contains("budget.simulate") && e.contains("never assumed"), "{e}");
+    let e = error(&cpu("gpus = 2", ""), &with_model, Overrides::default());
+    assert!(e.contains("unknown field `gpus`"), "{e}");
+    let e = error(&cpu("", ""), &with_model, Overrides { device: Some("tpu".into()), ..Default::default() });
+    assert!(e.contains("`tpu` is not `cpu` or `cuda`"), "{e}");
+    let e = error(&cpu("", ""), &with_model, Overrides { classes: Some("xs,huge".into()), ..Default::default() });
+    assert!(e.contains("--classes") && e.contains("huge"), "{e}");
+    let e = error(&cpu("", ""), &with_model, Overrides { metrics_addr: Some("localhost".into()), ..Default::default() });
+    assert!(e.contains("--metrics-addr"), "{e}");
+    let e = error(&cpu("concurrency = 0", ""), &with_model, Overrides::default());
+    assert!(e.contains("concurrency: 0 is outside 1..=64"), "{e}");
+    let e = error(&cpu("grace_period = \"soon\"", ""), &with_model, Overrides::default());
+    assert!(e.contains("`soon` is not a duration"), "{e}");
+    let e = error("device = \"cuda\"\n[budget.simulate]\ntotal_mib = 1\n", &with_model, Overrides::default());
+    assert!(e.contains("remove [budget.simulate]") || e.contains("without the `cuda` feature"), "{e}");
+    let e = error(&cpu("", "[budget]\nmax_fill = 1.5\n"), &with_model, Overrides::default());
+    assert!(e.contains("max_fill"), "{e}");
+    let e = error(&cpu("", "[calibration]\nshapes = [[64, 64, 1]]\n"), &with_model, Overrides::default());
+    assert!(e.contains("calibration.shapes"), "{e}");
+}
+
+#[test]
+fn the_binary_refuses_bad_config_with_exit_code_2() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_shotfleet-consumer"))
+        .args(["--device", "cpu", "--model", "/definitely/missing"])
+        .env_remove("SHOTFLEET_CONFIG")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("configuration:") && stderr.contains("/definitely/missing"), "{stderr}");
+}
