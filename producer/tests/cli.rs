@@ -1,7 +1,6 @@
 //! The `shotfleet` command against real nats-server processes.
 
 use std::path::{Path, PathBuf};
-use std::process::Output;
 
 use async_nats::jetstream;
 use async_nats::HeaderMap;
@@ -10,25 +9,13 @@ use shotfleet_schema::encoding::{self, ContentType};
 use shotfleet_schema::{failure, subject, ResultStatus, ShotJob, ShotResult, Timing};
 use shotfleet_testkit::nats::{NatsServer, ServerBinary, ServerOptions};
 
+mod support;
+use support::{shotfleet, text};
+
 fn demo_storyboard() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/demo/storyboard.jsonl")
 }
 
-async fn shotfleet(server: &str, args: &[&str]) -> Output {
-    tokio::process::Command::new(env!("CARGO_BIN_EXE_shotfleet"))
-        .args(args)
-        .env("NATS_URL", server)
-        .env_remove("NATS_CREDS")
-        .env_remove("NATS_USER")
-        .env_remove("NATS_PASSWORD")
-        .output()
-        .await
-        .expect("run shotfleet")
-}
-
-fn text(output: &Output) -> String {
-    format!("{}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr))
-}
 
 async fn jobs_in_stream(server: &NatsServer) -> u64 {
     let client = async_nats::connect(server.url()).await.unwrap();

@@ -10,21 +10,9 @@ use shotfleet_schema::encoding::{self, ContentType};
 use shotfleet_schema::{Priority, failure, subject};
 use shotfleet_testkit::nats::{NatsServer, ServerBinary, ServerOptions};
 
-async fn shotfleet(server: &str, args: &[&str]) -> Output {
-    tokio::process::Command::new(env!("CARGO_BIN_EXE_shotfleet"))
-        .args(args)
-        .env("NATS_URL", server)
-        .env_remove("NATS_CREDS")
-        .env_remove("NATS_USER")
-        .env_remove("NATS_PASSWORD")
-        .output()
-        .await
-        .expect("run shotfleet")
-}
+mod support;
+use support::{shotfleet, text};
 
-fn text(output: &Output) -> String {
-    format!("{}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr))
-}
 
 /// The table rows (stdout lines) whose action column is `action`.
 fn rows(output: &Output, action: &str) -> Vec<String> {

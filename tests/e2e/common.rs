@@ -304,3 +304,14 @@ pub async fn wait_settled(js: &jetstream::Context, timeout: Duration) {
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
 }
+
+/// Waits until the consumer `name` has a job delivered and not yet acked.
+pub async fn wait_in_flight(js: &jetstream::Context, name: &str) {
+    let stream = js.get_stream(shotfleet_schema::subject::JOBS_STREAM).await.expect("jobs stream");
+    let mut consumer: jetstream::consumer::PullConsumer = stream.get_consumer(name).await.expect("consumer");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while consumer.info().await.expect("consumer info").num_ack_pending == 0 {
+        assert!(Instant::now() < deadline, "{name}: no job was fetched");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}

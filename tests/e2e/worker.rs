@@ -217,13 +217,7 @@ async fn sigterm_finishes_in_flight_work_within_the_grace_period() {
     let j = shot(Priority::P1, job("grace-1", "acme", (512, 512), 20, 1));
     submit(&js, std::slice::from_ref(&j)).await;
     // Wait until it is in flight, then ask the worker to stop.
-    let stream = js.get_stream(subject::JOBS_STREAM).await.unwrap();
-    let mut consumer: jetstream::consumer::PullConsumer = stream.get_consumer("render-p1-xs").await.unwrap();
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while consumer.info().await.unwrap().num_ack_pending == 0 {
-        assert!(Instant::now() < deadline, "never fetched");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    wait_in_flight(&js, "render-p1-xs").await;
     let code = worker.terminate(Duration::from_secs(30));
     assert_eq!(code, Some(0), "clean exit:\n{}", worker.log());
     let done = outcomes(&js, &[j], Duration::from_secs(5)).await;
@@ -240,13 +234,7 @@ async fn past_the_grace_period_in_flight_jobs_are_naked_for_others() {
     let mut first = Worker::start(&server.url(), spec);
     let j = shot(Priority::P1, job("handover-1", "acme", (512, 512), 60, 1));
     submit(&js, std::slice::from_ref(&j)).await;
-    let stream = js.get_stream(subject::JOBS_STREAM).await.unwrap();
-    let mut consumer: jetstream::consumer::PullConsumer = stream.get_consumer("render-p1-xs").await.unwrap();
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while consumer.info().await.unwrap().num_ack_pending == 0 {
-        assert!(Instant::now() < deadline, "never fetched");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    wait_in_flight(&js, "render-p1-xs").await;
     let stopped = Instant::now();
     assert_eq!(first.terminate(Duration::from_secs(30)), Some(0), "{}", first.log());
     assert!(stopped.elapsed() < Duration::from_secs(10), "stopped soon after the grace period");
