@@ -245,3 +245,40 @@ async fn past_the_grace_period_in_flight_jobs_are_naked_for_others() {
     assert_eq!(result.worker, "successor");
     assert_eq!(result.attempt, 2);
 }
+
+#[tokio::test]
+async fn the_worker_runs_on_nats_server_2_9() {
+    use shotfleet_testkit::nats::{ServerBinary, ServerOptions};
+    if !ServerBinary::available().contains(&ServerBinary::Debian29) {
+        eprintln!("Debian's nats-server 2.9 is not installed here; covered by 2.15.1 elsewhere");
+        return;
+    }
+    let server = NatsServer::start_with(ServerOptions { binary: ServerBinary::Debian29, ..Default::default() });
+    let js = jetstream_with(&server.url(), &Topology::default()).await;
+    let store = tempfile::tempdir().unwrap();
+    let _worker = Worker::start(&server.url(), WorkerSpec::new("old-server", store.path()));
+    // A job on its class, one on `auto`, and one that fails validation (terminated: 2.9 takes
+    // only a bare +TERM, which is all the worker sends).
+    let shots = vec![shot(Priority::P0, job("old-1", "acme", (64, 64), 2, 2))];
+    submit(&js, &shots).await;
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert("Nats-Msg-Id", "old-auto");
+    let auto = job("old-auto", "acme", (64, 64), 2, 1);
+    js.publish_with_headers("shots.p1.auto.acme", headers, serde_json::to_vec(&auto).unwrap().into()).await.unwrap().await.unwrap();
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert("Nats-Msg-Id", "old-bad");
+    let mut bad = job("old-bad", "acme", (64, 64), 2, 1);
+    bad.width = 63;
+    js.publish_with_headers("shots.p1.xs.acme", headers, serde_json::to_vec(&bad).unwrap().into()).await.unwrap().await.unwrap();
+    let all = vec![shots[0].clone(), shot(Priority::P1, auto), shot(Priority::P1, bad)];
+    let done = outcomes(&js, &all, Duration::from_secs(60)).await;
+    assert!(matches!(done["old-1"], shotfleet_producer::wait::Outcome::Done(_)));
+    assert!(matches!(done["old-auto"], shotfleet_producer::wait::Outcome::Done(_)));
+    assert!(matches!(&done["old-bad"], shotfleet_producer::wait::Outcome::Failed { reason, .. } if reason == "invalid"));
+    for outcome in done.values() {
+        if let shotfleet_producer::wait::Outcome::Done(result) = outcome {
+            check_store(store.path(), result);
+        }
+    }
+    wait_settled(&js, Duration::from_secs(10)).await;
+}

@@ -214,9 +214,14 @@ impl Budget {
     /// The card could not be read.
     pub fn largest_batch(&self, width: u32, height: u32, images: u32) -> Result<u32, ProbeError> {
         let snapshot = self.inner.snapshot()?;
+        // Above `lower_batch_at` the card is filling up whatever the plan says: half batches.
+        let most = match Water::at(snapshot.used_fraction(), &self.inner.config) {
+            Water::Lower => (images / 2).max(1),
+            _ => images,
+        };
         let plan = self.inner.plan();
         let available = self.inner.room(&snapshot, &plan).available;
-        Ok((1..=images)
+        Ok((1..=most)
             .rev()
             .find(|&batch| self.inner.planned(&plan, Shape::new(width, height, batch)) <= available)
             .unwrap_or(0))
@@ -505,8 +510,10 @@ mod tests {
         *probe.0.lock().unwrap() = filled(0.88);
         assert_eq!(budget.water().unwrap(), Water::Lower);
         assert!(!budget.admit(&MemoryClass::ALL).unwrap().fits.is_empty());
+        assert_eq!(budget.largest_batch(64, 64, 4).unwrap(), 2, "lower water halves the batch");
         *probe.0.lock().unwrap() = filled(0.5);
         assert_eq!(budget.admit(&MemoryClass::ALL).unwrap().water, Water::More);
+        assert_eq!(budget.largest_batch(64, 64, 4).unwrap(), 4);
     }
 
     #[test]
