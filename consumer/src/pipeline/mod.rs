@@ -421,25 +421,68 @@ impl Pipeline {
         Ok((output, trace))
     }
 
+    /// Renders several compatible jobs in shared UNet batches: same size, steps and guidance (so
+    /// one schedule and one guidance scale serve them all), each with its own prompts, seed and
+    /// images. Each image's noise depends only on its own (seed, index), so an image comes out the
+    /// same whatever it is batched with. `max_batch` of the first request bounds the sub-batches.
+    ///
+    /// # Errors
+    /// As [`Pipeline::render`]; also [`RenderError::InvalidRequest`] when the requests differ in
+    /// size, steps or guidance.
+    pub fn render_group(
+        &self,
+        reqs: &[RenderRequest],
+        control: &RenderControl,
+        on_step: &mut dyn FnMut(StepProgress) -> ControlFlow<()>,
+    ) -> Result<Vec<RenderOutput>, RenderError> {
+        self.render_parts(reqs, None, None, control, Shrink::Requested, on_step)
+    }
+
     fn render_inner(
         &self,
         req: &RenderRequest,
+        noise: Option<&[f32]>,
+        trace: Option<&mut Trace>,
+        control: &RenderControl,
+        shrink: Shrink,
+        on_step: &mut dyn FnMut(StepProgress) -> ControlFlow<()>,
+    ) -> Result<RenderOutput, RenderError> {
+        let mut outputs = self.render_parts(std::slice::from_ref(req), noise, trace, control, shrink, on_step)?;
+        Ok(outputs.remove(0))
+    }
+
+    fn render_parts(
+        &self,
+        reqs: &[RenderRequest],
         noise: Option<&[f32]>,
         mut trace: Option<&mut Trace>,
         control: &RenderControl,
         shrink: Shrink,
         on_step: &mut dyn FnMut(StepProgress) -> ControlFlow<()>,
-    ) -> Result<RenderOutput, RenderError> {
-        let (lh, lw) = self.validate(req, control)?;
+    ) -> Result<Vec<RenderOutput>, RenderError> {
+        let Some(first) = reqs.first() else {
+            return Err(RenderError::InvalidRequest("no requests".into()));
+        };
+        let (lh, lw) = self.validate(first, control)?;
+        for req in &reqs[1..] {
+            self.validate(req, control)?;
+            if (req.width, req.height, req.steps) != (first.width, first.height, first.steps)
+                || req.guidance.to_bits() != first.guidance.to_bits()
+            {
+                return Err(RenderError::InvalidRequest(
+                    "requests rendered together must share size, steps and guidance".into(),
+                ));
+            }
+        }
         let c = self.info.latent_channels;
         let per_image = c * lh * lw;
+        let total_images: usize = reqs.iter().map(|r| r.image_indices.len()).sum();
         if let Some(noise) = noise
-            && noise.len() != req.image_indices.len() * per_image
+            && noise.len() != total_images * per_image
         {
             return Err(RenderError::InvalidRequest(format!(
-                "noise has {} values, expected {} images x {c} x {lh} x {lw}",
+                "noise has {} values, expected {total_images} images x {c} x {lh} x {lw}",
                 noise.len(),
-                req.image_indices.len()
             )));
         }
         let mut timings = StageTimings::default();
@@ -455,40 +498,48 @@ impl Pipeline {
         };
         let runs = Runs::new(&control.cancel, shrink, &shrink_key)?;
 
+        // Text: each request's own conditioning.
         let started = Instant::now();
-        let positive = self.text.encode(&req.prompt, &runs)?;
-        let guided = req.guidance > 1.0;
-        let negative_text = req.negative_prompt.as_deref().filter(|n| !n.is_empty());
-        let negative = match (guided, negative_text) {
-            (false, _) => None,
-            (true, Some(text)) => Some(self.text.encode(text, &runs)?),
-            (true, None) if self.config.force_zeros_for_empty_prompt => Some(positive.zeros_like()),
-            (true, None) => Some(self.text.encode("", &runs)?),
-        };
+        let guided = first.guidance > 1.0;
+        let mut conditions = Vec::with_capacity(reqs.len());
+        for req in reqs {
+            let positive = self.text.encode(&req.prompt, &runs)?;
+            let negative_text = req.negative_prompt.as_deref().filter(|n| !n.is_empty());
+            let negative = match (guided, negative_text) {
+                (false, _) => None,
+                (true, Some(text)) => Some(self.text.encode(text, &runs)?),
+                (true, None) if self.config.force_zeros_for_empty_prompt => Some(positive.zeros_like()),
+                (true, None) => Some(self.text.encode("", &runs)?),
+            };
+            conditions.push((positive, negative));
+        }
         timings.text_encode = started.elapsed();
 
-        let schedule = self.scheduler.plan(req.steps);
-        let (h, w) = (req.height as f32, req.width as f32);
-        let cond = Conditioning { positive: &positive, negative: negative.as_ref(), time_ids: [h, w, 0.0, 0.0, h, w] };
+        let schedule = self.scheduler.plan(first.steps);
+        let (h, w) = (first.height as f32, first.width as f32);
+        let time_ids = [h, w, 0.0, 0.0, h, w];
         if let Some(t) = trace.as_deref_mut() {
-            t.prompt_embeds = Some(positive.clone());
-            t.negative_prompt_embeds = negative.clone();
-            t.add_time_ids = cond.time_ids;
+            t.prompt_embeds = Some(conditions[0].0.clone());
+            t.negative_prompt_embeds = conditions[0].1.clone();
+            t.add_time_ids = time_ids;
             t.timesteps = schedule.timesteps.clone();
             t.sigmas = schedule.sigmas.clone();
             t.init_noise_sigma = schedule.init_noise_sigma;
             t.latents_after_step = vec![Vec::new(); schedule.len()];
         }
 
-        let mut images = Vec::with_capacity(req.image_indices.len());
+        // Every image of every request, in order: (request, image index).
+        let all: Vec<(usize, u32)> =
+            reqs.iter().enumerate().flat_map(|(r, req)| req.image_indices.iter().map(move |&i| (r, i))).collect();
+        let mut images: Vec<Vec<RenderedImage>> = reqs.iter().map(|r| Vec::with_capacity(r.image_indices.len())).collect();
         let mut done = 0usize;
-        for chunk in req.image_indices.chunks(req.max_batch) {
+        for chunk in all.chunks(first.max_batch) {
             let n = chunk.len();
             let mut latents = vec![0.0f32; n * per_image];
-            for (k, (&index, out)) in chunk.iter().zip(latents.chunks_exact_mut(per_image)).enumerate() {
+            for (k, (&(r, index), out)) in chunk.iter().zip(latents.chunks_exact_mut(per_image)).enumerate() {
                 match noise {
                     Some(noise) => out.copy_from_slice(&noise[(done + k) * per_image..(done + k + 1) * per_image]),
-                    None => noise::fill_image_noise(req.seed, index, out),
+                    None => noise::fill_image_noise(reqs[r].seed, index, out),
                 }
             }
             for x in &mut latents {
@@ -498,11 +549,16 @@ impl Pipeline {
             let started = Instant::now();
             let run = Denoise {
                 schedule: &schedule,
-                guidance: req.guidance,
+                guidance: first.guidance,
                 latent_shape: [n, c, lh, lw],
                 device: &self.info.device,
                 runs: &runs,
                 shrink_arena: shrink != Shrink::Never,
+            };
+            let cond = Conditioning {
+                positive: chunk.iter().map(|&(r, _)| &conditions[r].0).collect(),
+                negative: guided.then(|| chunk.iter().filter_map(|&(r, _)| conditions[r].1.as_ref()).collect()),
+                time_ids,
             };
             let images_done = done as u32;
             let mut progress = |p: StepProgress| on_step(StepProgress { images_done, ..p });
@@ -517,9 +573,10 @@ impl Pipeline {
                 t.latents_final.extend_from_slice(&latents);
             }
 
-            for (k, &index) in chunk.iter().enumerate() {
+            for (k, &(r, index)) in chunk.iter().enumerate() {
+                let req = &reqs[r];
                 let started = Instant::now();
-                let last = k + 1 == n && done + n == req.image_indices.len();
+                let last = k + 1 == n && done + n == all.len();
                 let decoded = self.vae.decode(
                     &latents[k * per_image..(k + 1) * per_image],
                     [c, lh, lw],
@@ -540,7 +597,7 @@ impl Pipeline {
                 let rgb = image::to_rgb8(&decoded.chw, decoded.width, decoded.height);
                 let meta = image::ImageMeta {
                     prompt: &req.prompt,
-                    negative_prompt: negative_text,
+                    negative_prompt: req.negative_prompt.as_deref().filter(|n| !n.is_empty()),
                     steps: req.steps,
                     guidance: req.guidance,
                     seed: req.seed,
@@ -554,11 +611,12 @@ impl Pipeline {
                 if let Some(t) = trace.as_deref_mut() {
                     t.images_rgb.push(rgb);
                 }
-                images.push(RenderedImage { index, seed: req.seed, width: req.width, height: req.height, png });
+                images[r].push(RenderedImage { index, seed: req.seed, width: req.width, height: req.height, png });
             }
             done += n;
         }
-        Ok(RenderOutput { images, timings })
+        // Stage times are the group's: each job's share is not separable inside shared batches.
+        Ok(images.into_iter().map(|images| RenderOutput { images, timings }).collect())
     }
 
     /// Checks a request against the model; returns the latent height and width.

@@ -36,10 +36,11 @@ pub(crate) struct Unet {
 }
 
 /// The guidance batch of one sub-batch: `[negative x n, positive x n]`, as diffusers concatenates
-/// it, or only the positive half when guidance is off.
+/// it, or only the positive half when guidance is off. One entry per image: images of different
+/// jobs can share a sub-batch.
 pub(crate) struct Conditioning<'a> {
-    pub positive: &'a PromptEmbeds,
-    pub negative: Option<&'a PromptEmbeds>,
+    pub positive: Vec<&'a PromptEmbeds>,
+    pub negative: Option<Vec<&'a PromptEmbeds>>,
     /// `[h, w, 0, 0, h, w]`: original size, crop top-left, target size.
     pub time_ids: [f32; 6],
 }
@@ -132,17 +133,20 @@ impl Unet {
         };
 
         // Conditioning: bound once, resident on the device for all steps.
-        let pos = cond.positive;
+        if cond.positive.len() != n || cond.negative.as_ref().is_some_and(|neg| neg.len() != n) {
+            return Err(RenderError::InvalidRequest(format!("conditioning for {} images, latents for {n}", cond.positive.len())));
+        }
+        let pos = cond.positive[0];
         let mut ehs = Vec::with_capacity(batch * pos.embeds.len());
         let mut pooled = Vec::with_capacity(batch * pos.pooled.len());
-        let halves: Vec<&PromptEmbeds> = match cond.negative {
-            Some(neg) => vec![neg, pos],
-            None => vec![pos],
+        let halves: Vec<&Vec<&PromptEmbeds>> = match &cond.negative {
+            Some(neg) => vec![neg, &cond.positive],
+            None => vec![&cond.positive],
         };
         for half in halves {
-            for _ in 0..n {
-                ehs.extend_from_slice(&half.embeds);
-                pooled.extend_from_slice(&half.pooled);
+            for embeds in half {
+                ehs.extend_from_slice(&embeds.embeds);
+                pooled.extend_from_slice(&embeds.pooled);
             }
         }
         let time_ids: Vec<f32> = (0..batch).flat_map(|_| cond.time_ids).collect();
