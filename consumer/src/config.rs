@@ -11,6 +11,7 @@
 //! model = "/models/sdxl-onnx"      # SHOTFLEET_MODEL
 //! classes = ["xs", "s", "m"]       # the classes this card serves at most
 //! concurrency = 1                  # jobs rendered at once
+//! batch_jobs = 4                   # compatible jobs rendered together in shared UNet batches
 //! grace_period = "60s"
 //! job_time_limit = "10m"
 //!
@@ -151,6 +152,9 @@ pub struct WorkerConfig {
     pub classes: Vec<MemoryClass>,
     /// Jobs rendered at the same time (each in its own UNet batches).
     pub concurrency: usize,
+    /// Up to this many compatible jobs (same size, steps, guidance) fetched together are rendered
+    /// in shared UNet batches, when the budget holds all their images. 1: off.
+    pub batch_jobs: usize,
     /// On SIGTERM, how long in-flight jobs may take to finish before they are naked.
     pub grace_period: Span,
     /// A render running longer than this is stopped and naked (a transient failure).
@@ -195,6 +199,7 @@ impl Default for WorkerConfig {
             model: PathBuf::new(),
             classes: MemoryClass::ALL.to_vec(),
             concurrency: 1,
+            batch_jobs: 1,
             grace_period: Span(Duration::from_secs(60)),
             job_time_limit: Span(Duration::from_secs(600)),
             progress_interval: None,
@@ -348,6 +353,9 @@ impl WorkerConfig {
         }
         if self.concurrency == 0 || self.concurrency > 64 {
             return Err(bad("concurrency", format!("{} is outside 1..=64", self.concurrency)));
+        }
+        if self.batch_jobs == 0 || self.batch_jobs > 64 {
+            return Err(bad("batch_jobs", format!("{} is outside 1..=64", self.batch_jobs)));
         }
         if self.job_time_limit.0 < Duration::from_secs(1) {
             return Err(bad("job_time_limit", "must be at least 1s"));

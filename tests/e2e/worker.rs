@@ -182,6 +182,19 @@ async fn invalid_jobs_go_to_the_failed_stream_with_reasons() {
     assert_eq!(header("Shotfleet-Attempts"), "1");
     assert_eq!(header("Shotfleet-Worker"), "strict");
     assert_eq!(&record.payload[..], b"{\"v\":1,\"job_id\":\"bad-1\",\"width\":\"wide\"}", "the original payload is kept");
+
+    // A LoRA this worker cannot load: never rendered without the style it asked for.
+    let mut styled = job("styled-1", "acme", (64, 64), 2, 1);
+    styled.loras = vec![shotfleet_schema::Lora { name: "ink-wash.v2".into(), weight: 0.8 }];
+    let styled = shot(Priority::P1, styled);
+    submit(&js, std::slice::from_ref(&styled)).await;
+    match &outcomes(&js, &[styled], Duration::from_secs(30)).await["styled-1"] {
+        shotfleet_producer::wait::Outcome::Failed { reason, detail, .. } => {
+            assert_eq!(reason, "invalid");
+            assert!(detail.contains("LoRA `ink-wash.v2` is not available"), "{detail}");
+        }
+        other => panic!("expected a failed record: {other:?}"),
+    }
 }
 
 #[tokio::test]
@@ -281,4 +294,42 @@ async fn the_worker_runs_on_nats_server_2_9() {
         }
     }
     wait_settled(&js, Duration::from_secs(10)).await;
+}
+
+#[tokio::test]
+async fn compatible_jobs_share_unet_batches_and_render_the_same_images() {
+    let server = NatsServer::start();
+    let js = jetstream_with(&server.url(), &Topology::default()).await;
+    let store = tempfile::tempdir().unwrap();
+    // Queued before the worker starts, so its first fetch takes them together.
+    let batch: Vec<_> = (0..4).map(|i| shot(Priority::P1, job(&format!("grp-{i}"), "acme", (64, 96), 3, 1 + i % 2))).collect();
+    let odd_one = shot(Priority::P1, job("grp-odd", "acme", (96, 64), 3, 1));
+    submit(&js, &batch).await;
+    submit(&js, std::slice::from_ref(&odd_one)).await;
+    let mut spec = WorkerSpec::new("batcher", store.path());
+    spec.top = "batch_jobs = 8".into();
+    let batcher = Worker::start(&server.url(), spec);
+    let mut all = batch.clone();
+    all.push(odd_one);
+    let grouped = results(&outcomes(&js, &all, Duration::from_secs(60)).await);
+    assert!(batcher.log().contains("rendered a group"), "{}", batcher.log());
+    drop(batcher);
+
+    // The same shots rendered one job at a time give the same bytes.
+    let _solo = Worker::start(&server.url(), WorkerSpec::new("solo", store.path()));
+    let again: Vec<_> = batch
+        .iter()
+        .map(|s| {
+            let mut j = s.job.clone();
+            j.job_id = format!("{}-solo", j.job_id);
+            shot(s.priority, j)
+        })
+        .collect();
+    submit(&js, &again).await;
+    let solo = results(&outcomes(&js, &again, Duration::from_secs(60)).await);
+    for one in &solo {
+        let twin = grouped.iter().find(|r| format!("{}-solo", r.job_id) == one.job_id).unwrap();
+        let shas = |r: &shotfleet_schema::ShotResult| r.images.iter().map(|i| i.sha256.clone()).collect::<Vec<_>>();
+        assert_eq!(shas(one), shas(twin), "{}", one.job_id);
+    }
 }

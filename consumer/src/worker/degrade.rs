@@ -85,7 +85,8 @@ mod tests {
         assert_eq!(down.class(), MemoryClass::M);
         assert_eq!(down.degrade, Some(Degrade { level: 1, from: Original { width: 1536, height: 1536, steps: 30 } }));
         let wide = next_rung(&job(1344, 768, 30), &ladder).unwrap();
-        assert_eq!((wide.width, wide.height), (1024, 576));
+        assert_eq!((wide.width, wide.height), (960, 576));
+        assert_eq!(wide.class(), MemoryClass::S);
         assert!(wide.width % 64 == 0 && wide.height % 64 == 0);
         let again = next_rung(&down, &ladder).unwrap();
         assert_eq!(again.degrade.unwrap().level, 2);

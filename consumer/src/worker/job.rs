@@ -24,22 +24,44 @@ use crate::worker::{commit, degrade, failed, route, Shared};
 /// Handles one delivery to the end: it is acked, naked, terminated or routed when this returns.
 pub async fn handle(shared: Arc<Shared>, delivery: Delivery) {
     let _in_flight = telemetry::in_flight();
+    if let Some(job) = take(&shared, &delivery).await {
+        let outcome = render_and_commit(&shared, &delivery, &job).await;
+        telemetry::job_finished(outcome, delivery.origin.priority, SubjectClass::Class(job.class()));
+    }
+}
+
+/// The steps before rendering: decode and validate (a job that can never be rendered gets its
+/// failed record), route (`auto` or the wrong class), and look for a committed result (then only
+/// the sweep and the ack are left). Returns the job when it is this worker's to render.
+pub(crate) async fn take(shared: &Shared, delivery: &Delivery) -> Option<ShotJob> {
     let origin = delivery.origin;
     telemetry::queue_wait(origin.priority, delivery.queued);
-
-    let job = match decode(&shared, &delivery) {
+    let job = match decode(shared, delivery) {
         Ok(job) => job,
         Err((job_id, invalid)) => {
-            failed::fail(&shared, &delivery, job_id.as_deref(), FailureReason::Invalid, &invalid.to_string()).await;
+            failed::fail(shared, delivery, job_id.as_deref(), FailureReason::Invalid, &invalid.to_string()).await;
             telemetry::job_finished(JobOutcome::Failed, origin.priority, origin.class);
-            return;
+            return None;
         }
     };
-    if needs_routing(&delivery, &job) {
-        return route::reroute(&shared, &delivery, &job).await;
+    if needs_routing(delivery, &job) {
+        route::reroute(shared, delivery, &job).await;
+        return None;
     }
-    let outcome = render_and_commit(&shared, &delivery, &job).await;
-    telemetry::job_finished(outcome, origin.priority, SubjectClass::Class(job.class()));
+    let class = SubjectClass::Class(job.class());
+    match commit::existing_result(shared, &job.project, &job.job_id).await {
+        Ok(Some(result)) => {
+            finish_committed(shared, delivery, &result).await;
+            telemetry::job_finished(JobOutcome::DuplicateSkip, origin.priority, class);
+            None
+        }
+        Ok(None) => Some(job),
+        Err(e) => {
+            let outcome = nak_transient(shared, delivery, &job, &e.to_string()).await;
+            telemetry::job_finished(outcome, origin.priority, class);
+            None
+        }
+    }
 }
 
 /// Decodes and validates. A job that can never be rendered is returned as an error, with its
@@ -49,6 +71,14 @@ fn decode(shared: &Shared, delivery: &Delivery) -> Result<ShotJob, (Option<Strin
         .map_err(|e| (None, InvalidJob::Decode(e)))?;
     let named = |e: InvalidJob| (Some(job.job_id.clone()), e);
     job.validate(&shared.config.limits).map_err(|e| named(InvalidJob::Invalid(e)))?;
+    if let Some(lora) = job.loras.first() {
+        // Never render a job without the style it asked for.
+        return Err(named(InvalidJob::Decode(encoding::DecodeError::Malformed {
+            format: "job",
+            path: "loras[0].name".into(),
+            detail: format!("LoRA `{}` is not available: this worker loads no LoRA adapters yet", lora.name),
+        })));
+    }
     let subject_project = delivery.subject_project();
     if job.project != subject_project {
         return Err(named(InvalidJob::Decode(encoding::DecodeError::Malformed {
@@ -65,28 +95,28 @@ fn needs_routing(delivery: &Delivery, job: &ShotJob) -> bool {
     delivery.origin.class != SubjectClass::Class(job.class())
 }
 
-async fn render_and_commit(shared: &Arc<Shared>, delivery: &Delivery, job: &ShotJob) -> JobOutcome {
-    // 1. Already committed by someone? Then only the sweep and the ack are left.
-    match commit::existing_result(shared, &job.project, &job.job_id).await {
-        Ok(Some(result)) => {
-            finish_committed(shared, delivery, &result).await;
-            return JobOutcome::DuplicateSkip;
-        }
-        Ok(None) => {}
-        Err(e) => return nak_transient(shared, delivery, job, &e.to_string()).await,
-    }
-
-    // 2-3. Plan the largest sub-batch the budget holds now and render it off the async threads,
+/// Renders a job taken by [`take`] on its own, then commits it.
+pub(crate) async fn render_and_commit(shared: &Arc<Shared>, delivery: &Delivery, job: &ShotJob) -> JobOutcome {
+    // Plan the largest sub-batch the budget holds now and render it off the async threads,
     // stepping down the in-place rungs on out-of-memory.
-    let output = match render_in_place(shared, delivery, job).await {
-        Ok(output) => output,
-        Err(outcome) => return outcome,
-    };
-    telemetry::render_time(SubjectClass::Class(job.class()), output.elapsed);
+    match render_in_place(shared, delivery, job).await {
+        Ok(rendered) => commit_output(shared, delivery, job, rendered.output, rendered.elapsed).await,
+        Err(outcome) => outcome,
+    }
+}
 
+/// Upload, publish the result (the commit point), sweep, ack.
+pub(crate) async fn commit_output(
+    shared: &Shared,
+    delivery: &Delivery,
+    job: &ShotJob,
+    output: RenderOutput,
+    elapsed: Duration,
+) -> JobOutcome {
+    telemetry::render_time(SubjectClass::Class(job.class()), elapsed);
     // 4. Upload.
     let upload_started = Instant::now();
-    let images = match upload(shared, job, output.output.images).await {
+    let images = match upload(shared, job, output.images).await {
         Ok(images) => images,
         Err(e) => return nak_transient(shared, delivery, job, &e).await,
     };
@@ -111,7 +141,7 @@ async fn render_and_commit(shared: &Arc<Shared>, delivery: &Delivery, job: &Shot
         attempt: delivery.attempt as u32,
         timing: Timing {
             queue_ms: delivery.queued.as_millis() as u64,
-            render_ms: output.elapsed.as_millis() as u64,
+            render_ms: elapsed.as_millis() as u64,
             upload_ms: upload_started.elapsed().as_millis() as u64,
         },
         finished_at_ms: SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).unwrap_or_default().as_millis() as u64,
@@ -319,19 +349,9 @@ async fn render(
         return Err(RenderFailure::Error(RenderError::Runtime { stage: Stage::Unet, source }));
     }
     let control = RenderControl { vae_decode: attempt.vae, cancel: CancelHandle::new() };
-    // Stops the run in progress (ONNX Runtime's terminate) at the time limit or on abort.
     let timed_out = Arc::new(AtomicBool::new(false));
-    let stopper = {
-        let (cancel, abort, timed_out) = (control.cancel.clone(), shared.abort.clone(), timed_out.clone());
-        tokio::spawn(async move {
-            tokio::select! {
-                () = abort.cancelled() => {}
-                () = tokio::time::sleep_until(deadline.into()) => timed_out.store(true, Ordering::Relaxed),
-            }
-            cancel.cancel();
-        })
-    };
-    let keeper = tokio::spawn(keep_alive(delivery.clone(), shared.progress_interval, shared.config.faults.stall().is_some()));
+    let stopper = stop_at(shared, deadline, &control.cancel, &timed_out);
+    let keeper = keep_alive(shared, delivery);
     let pipeline = shared.pipeline();
     let meter = shared.meter.clone();
     let outcome = tokio::task::spawn_blocking(move || {
@@ -370,17 +390,41 @@ async fn render(
     }
 }
 
-/// Sends `AckKind::Progress` every `interval` so a long render is not redelivered.
-async fn keep_alive(delivery: Delivery, interval: Duration, disabled: bool) {
-    if disabled {
-        return;
-    }
-    let mut ticker = tokio::time::interval(interval);
-    ticker.tick().await;
-    loop {
+/// Stops the run in progress (ONNX Runtime's terminate) at `deadline` (setting `timed_out`) or
+/// when the worker aborts. Abort the returned task once the render is over.
+pub(crate) fn stop_at(
+    shared: &Shared,
+    deadline: Instant,
+    cancel: &CancelHandle,
+    timed_out: &Arc<AtomicBool>,
+) -> tokio::task::JoinHandle<()> {
+    let (cancel, abort, timed_out) = (cancel.clone(), shared.abort.clone(), timed_out.clone());
+    tokio::spawn(async move {
+        tokio::select! {
+            () = abort.cancelled() => {}
+            () = tokio::time::sleep_until(deadline.into()) => timed_out.store(true, Ordering::Relaxed),
+        }
+        cancel.cancel();
+    })
+}
+
+/// Sends `AckKind::Progress` every progress interval so a long render is not redelivered. Abort
+/// the returned task once the render is over.
+pub(crate) fn keep_alive(shared: &Shared, delivery: &Delivery) -> tokio::task::JoinHandle<()> {
+    let (delivery, interval) = (delivery.clone(), shared.progress_interval);
+    // A stalled publish (fault injection) must let the server redeliver.
+    let disabled = shared.config.faults.stall().is_some();
+    tokio::spawn(async move {
+        if disabled {
+            return;
+        }
+        let mut ticker = tokio::time::interval(interval);
         ticker.tick().await;
-        delivery.progress().await;
-    }
+        loop {
+            ticker.tick().await;
+            delivery.progress().await;
+        }
+    })
 }
 
 /// A render stopped from outside: shutdown gives the job back at once, the time limit is a

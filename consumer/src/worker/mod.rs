@@ -18,6 +18,7 @@ pub mod degrade;
 pub mod delivery;
 pub mod failed;
 pub mod fetch;
+pub mod group;
 pub mod job;
 pub mod leak;
 pub mod priority;
@@ -301,17 +302,26 @@ async fn fetch_loop(shared: &Arc<Shared>, consumers: &fetch::Consumers, tracker:
             export_budget(&shared.budget);
             match shared.budget.admit(&shared.config.classes) {
                 Ok(admission) if !admission.classes().is_empty() => {
-                    for delivery in consumers.next_jobs(&admission, free, &mut scheduler).await {
+                    // Up to `batch_jobs` jobs per free slot: a slot renders one job, or one group
+                    // of compatible jobs in shared batches.
+                    let per_slot = shared.config.batch_jobs.max(1);
+                    let deliveries = consumers.next_jobs(&admission, free * per_slot, &mut scheduler).await;
+                    let mut deliveries = deliveries.into_iter().peekable();
+                    while deliveries.peek().is_some() {
+                        let batch: Vec<_> = deliveries.by_ref().take(per_slot).collect();
                         worked = true;
                         let permit = slots.clone().try_acquire_owned().expect("a slot was counted free");
                         let shared = shared.clone();
                         let finished = finished.clone();
+                        batch.iter().for_each(|_| guard.job_started());
                         tracker.spawn(async move {
-                            job::handle(shared, delivery).await;
+                            match <[_; 1]>::try_from(batch) {
+                                Ok([delivery]) => job::handle(shared, delivery).await,
+                                Err(batch) => group::handle(shared, batch).await,
+                            }
                             drop(permit);
                             finished.notify_one();
                         });
-                        guard.job_started();
                     }
                 }
                 Ok(_) => {}
