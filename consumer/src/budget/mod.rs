@@ -47,7 +47,7 @@ use tracing::warn;
 pub use config::{BudgetConfig, ConfigError, MIB, SimulateConfig};
 pub use estimate::{Estimate, EstimateError, Sample, Shape};
 pub use fingerprint::{FingerprintError, FingerprintKey, FingerprintStore};
-pub use nvml::NvmlProbe;
+pub use nvml::{NvmlProbe, watch_critical_events};
 pub use probe::{GpuProbe, GpuSnapshot, PeakMeter, PeakWindow, ProbeError};
 pub use simulated::{SIMULATED_DEVICE, SimulatedGpu};
 pub use water::Water;

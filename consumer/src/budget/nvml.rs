@@ -116,3 +116,67 @@ fn optional<T>(result: Result<T, NvmlError>) -> Result<Option<T>, NvmlError> {
         Err(other) => Err(other),
     }
 }
+
+/// Watches GPU `index` for NVML's critical events (XID errors, double-bit ECC errors) on a thread
+/// of its own, calling `on_fault` with what happened. NVML delivers XIDs such as 79 ("fallen off
+/// the bus") or 48 (double-bit ECC) here before a CUDA call fails, so the worker can stop taking
+/// jobs at once. The thread ends when `stop` is set or the card cannot report events (then it
+/// logs why: some virtualised cards and older drivers have no event support).
+///
+/// # Errors
+/// NVML or the device could not be opened.
+pub fn watch_critical_events(
+    index: u32,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+    on_fault: impl Fn(String) + Send + 'static,
+) -> Result<std::thread::JoinHandle<()>, ProbeError> {
+    use nvml_wrapper::bitmasks::event::EventTypes;
+    use nvml_wrapper::enums::event::XidError;
+    use std::sync::atomic::Ordering;
+
+    let nvml = Nvml::init().map_err(|source| ProbeError::NvmlUnavailable { source })?;
+    nvml.device_by_index(index).map_err(|source| ProbeError::NoDevice { index, source })?;
+    Ok(std::thread::Builder::new()
+        .name(format!("nvml-events-gpu{index}"))
+        .spawn(move || {
+            let events = nvml
+                .create_event_set()
+                .map_err(|e| e.to_string())
+                .and_then(|set| {
+                    let device = nvml.device_by_index(index).map_err(|e| e.to_string())?;
+                    device
+                        .register_events(EventTypes::CRITICAL_XID_ERROR | EventTypes::DOUBLE_BIT_ECC_ERROR, set)
+                        .map_err(|e| e.to_string())
+                });
+            let events = match events {
+                Ok(events) => events,
+                Err(e) => {
+                    tracing::warn!(gpu = index, error = %e, "NVML events unavailable; driver faults are seen through CUDA errors only");
+                    return;
+                }
+            };
+            while !stop.load(Ordering::Relaxed) {
+                match events.wait(1000) {
+                    Ok(event) => {
+                        let what = match event.event_data {
+                            Some(XidError::Value(xid)) => format!("NVML critical XID error {xid}"),
+                            Some(XidError::Unknown) => "NVML critical XID error (unknown)".to_owned(),
+                            None => format!("NVML event {:?}", event.event_type),
+                        };
+                        on_fault(what);
+                        return;
+                    }
+                    Err(NvmlError::Timeout) => {}
+                    Err(NvmlError::GpuLost) => {
+                        on_fault("NVML: GPU is lost (fallen off the bus)".to_owned());
+                        return;
+                    }
+                    Err(e) => {
+                        tracing::warn!(gpu = index, error = %e, "NVML event wait failed; no longer watching");
+                        return;
+                    }
+                }
+            }
+        })
+        .expect("spawn the NVML event thread"))
+}

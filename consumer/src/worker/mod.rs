@@ -143,9 +143,12 @@ impl Shared {
             "at_ms": std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_millis() as u64,
         });
         let subject = format!("{}.fault.{}", shotfleet_schema::subject::ROOT, subject_token(&self.config.worker_id));
-        if let Err(e) = self.js.publish(subject, event.to_string().into()).await {
+        // A plain NATS event (no stream holds it): supervisors and dashboards subscribe.
+        let client = self.js.client();
+        if let Err(e) = client.publish(subject, event.to_string().into()).await {
             warn!(error = %e, "could not publish the fault event");
         }
+        let _ = client.flush().await;
     }
 
     fn set_exit(&self, error: WorkerError) {
@@ -240,6 +243,10 @@ pub async fn run(
         exit: std::sync::Mutex::new(None),
     });
     let _advisories = advisory::listen(shared.clone(), advisories);
+    let watching = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    if let Some(gpu) = shared.config.gpu_index() {
+        watch_driver_events(&shared, gpu, watching.clone());
+    }
     health.set_ready();
     info!(worker = %shared.config.worker_id, classes = ?shared.config.classes, "taking jobs");
 
@@ -257,6 +264,7 @@ pub async fn run(
         shared.abort.cancel();
         tracker.wait().await;
     }
+    watching.store(true, std::sync::atomic::Ordering::Relaxed);
     if let Err(e) = client.drain().await {
         warn!(error = %e, "draining the NATS connection failed");
     }
@@ -345,6 +353,24 @@ async fn fetch_loop(shared: &Arc<Shared>, consumers: &fetch::Consumers, tracker:
             () = finished.notified() => {}
             () = tokio::time::sleep(idle) => idle = (idle * 2).min(base_idle * 10),
         }
+    }
+}
+
+/// NVML's critical events (XID, double-bit ECC) become driver faults as soon as they arrive.
+fn watch_driver_events(shared: &Arc<Shared>, gpu: u32, stop: Arc<std::sync::atomic::AtomicBool>) {
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<String>();
+    match crate::budget::watch_critical_events(gpu, stop, move |what| {
+        let _ = tx.send(what);
+    }) {
+        Ok(_) => {
+            let shared = shared.clone();
+            tokio::spawn(async move {
+                if let Some(what) = rx.recv().await {
+                    shared.driver_fault(None, &what).await;
+                }
+            });
+        }
+        Err(e) => warn!(error = %e, "cannot watch NVML events"),
     }
 }
 
