@@ -279,7 +279,7 @@ for key, label, batch in sets:
                 run["gpu_sampler_error"] = g["error"]
         except (ValueError, KeyError):
             pass
-    notes = ["ORT CUDA EP as the worker configures it (no CUDA graph, no IoBinding across steps)"] if meta.get("device") == "cuda" else ["CPU dry run, tiny model"]
+    notes = ["ORT CUDA EP as the worker configures it (no CUDA graph; latents to the host every step)"] if meta.get("device") == "cuda" else ["CPU dry run, tiny model"]
     notes.append(f"{len(jobs)} jobs submitted at once, concurrency 1")
     if rc not in (None, "0"):
         notes.append(f"submit exit {rc}")
@@ -309,10 +309,13 @@ EOF
 # NVML memory every 200 ms, from before the worker starts to the end: device used, the worker's
 # own (where NVML lists its pid), all compute processes. Standard library + pynvml (the image has
 # nvidia-ml-py); without NVML it writes only the header.
-vram_sampler() {  # CSV PIDFILE
-    python3 - "$1" "$2" << 'EOF'
+# exec: the background job's pid is python's own, so stop_pid reaches it (a bash subshell killed
+# with SIGTERM leaves its foreground child running; on the 2026-11-30 lease that orphan held
+# lease.sh's tee open until the call's 600 s limit). It also ends by itself once fleet.sh is gone.
+vram_sampler() {  # CSV PIDFILE PARENT_PID
+    exec python3 - "$1" "$2" "$3" << 'EOF'
 import os, signal, sys, time
-out, pidfile = sys.argv[1], sys.argv[2]
+out, pidfile, parent = sys.argv[1], sys.argv[2], int(sys.argv[3])
 stop = False
 def handler(*_):
     global stop
@@ -329,7 +332,13 @@ try:
 except Exception as e:  # noqa: BLE001
     print(f"vram sampler: no NVML ({type(e).__name__}: {e})", file=sys.stderr)
     sys.exit(0)
-while not stop:
+def alive(pid):
+    try:
+        os.kill(pid, 0)
+        return True
+    except OSError:
+        return False
+while not stop and alive(parent):
     try:
         used = pynvml.nvmlDeviceGetMemoryInfo(h).used / 2**20
         own, procs = -1.0, 0.0
@@ -381,7 +390,7 @@ run_set() {
     meta "set_${key}_jobs" "$jobs"
     meta "set_${key}_images_per_job" "$per_job"
     meta "set_${key}_ids" "$ids"
-    python3 "$GPU_SAMPLER" --out "$RESULTS/fleet-gpu-$key.json" 2> /dev/null &
+    python3 "$GPU_SAMPLER" --out "$RESULTS/fleet-gpu-$key.json" > /dev/null 2>&1 < /dev/null &
     SAMPLER_PID=$!
     sleep 0.3
     log "set $key: $jobs jobs x $per_job images, ${SIZE}x${SIZE}, $STEPS steps (submit --wait, timeout ${budget}s)"
@@ -453,7 +462,7 @@ log "nats-server $("$NATS_SERVER" --version 2>&1 | head -1) at $NATS_URL"
 # --- the worker ---------------------------------------------------------------------------------
 METRICS_ADDR=127.0.0.1:$(free_port) || fail "no free port"
 echo > "$WORK/worker.pid"
-vram_sampler "$VRAM_CSV" "$WORK/worker.pid" 2>> "$RESULTS/fleet-vram.err" &
+vram_sampler "$VRAM_CSV" "$WORK/worker.pid" $$ > /dev/null 2>> "$RESULTS/fleet-vram.err" < /dev/null &
 VRAM_PID=$!
 sleep 1
 base=$(awk -F, 'NR > 1 {v = $2} END {print v}' "$VRAM_CSV" 2> /dev/null)

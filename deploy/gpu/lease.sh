@@ -295,7 +295,14 @@ stage_fleet() {
         NATS_SERVER=$SITE/bin/nats-server GPU_SAMPLER=$REPO/deploy/gpu/gpu_sampler.py
     export FLEET_DEADLINE_S=$(($(left) - 40))
     log "fleet.sh, must end within $FLEET_DEADLINE_S s"
-    timeout -k 10 "$FLEET_DEADLINE_S" bash deploy/gpu/fleet.sh 2>&1 | tee "$RESULTS/fleet.log"
+    # Not `| tee`: a process fleet.sh leaves behind would hold the pipe open and the call with it
+    # (2026-11-30: an orphaned sampler kept call 8 running to its 600 s limit, so report never ran).
+    # tail --pid follows the log and ends with timeout's process, whatever else still runs.
+    timeout -k 10 "$FLEET_DEADLINE_S" bash deploy/gpu/fleet.sh > "$RESULTS/fleet.log" 2>&1 < /dev/null &
+    local pid=$! rc=0
+    tail -n +1 --pid="$pid" -f "$RESULTS/fleet.log"
+    wait "$pid" || rc=$?
+    return "$rc"
 }
 
 stage_report() {
