@@ -116,6 +116,7 @@ pub(crate) async fn commit_output(
     telemetry::render_time(SubjectClass::Class(job.class()), elapsed);
     // 4. Upload.
     let upload_started = Instant::now();
+    let stages = output.timings;
     let images = match upload(shared, job, output.images).await {
         Ok(images) => images,
         Err(e) => return nak_transient(shared, delivery, job, &e).await,
@@ -162,7 +163,17 @@ pub(crate) async fn commit_output(
     if committed.worker != shared.config.worker_id || committed.attempt != delivery.attempt as u32 {
         return JobOutcome::DuplicateSkip;
     }
-    info!(job = %job.job_id, images = committed.images.len(), render_ms = committed.timing.render_ms, "job done");
+    info!(
+        job = %job.job_id,
+        images = committed.images.len(),
+        render_ms = committed.timing.render_ms,
+        text_ms = stages.text_encode.as_millis() as u64,
+        unet_ms = stages.unet.as_millis() as u64,
+        vae_ms = stages.vae.as_millis() as u64,
+        png_ms = stages.png.as_millis() as u64,
+        upload_ms = committed.timing.upload_ms,
+        "job done"
+    );
     if job.degrade.is_some() { JobOutcome::Degraded } else { JobOutcome::Done }
 }
 
