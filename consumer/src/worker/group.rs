@@ -17,7 +17,7 @@ use tracing::{info, warn};
 use crate::pipeline::{CancelHandle, RenderControl, RenderRequest};
 use crate::telemetry;
 use crate::worker::delivery::Delivery;
-use crate::worker::job::{self, commit_output, keep_alive, render_and_commit, stop_at};
+use crate::worker::job::{self, commit_output, keep_alive, render_and_commit, render_request, stop_at};
 use crate::worker::Shared;
 
 /// Jobs that can share UNet batches: one schedule, one guidance scale, one image size.
@@ -62,20 +62,7 @@ async fn render_together(shared: &Arc<Shared>, members: &[(Delivery, ShotJob)]) 
     let Ok(Some(reservation)) = shared.budget.reserve(first.width, first.height, images) else {
         return false;
     };
-    let requests: Vec<RenderRequest> = members
-        .iter()
-        .map(|(_, job)| RenderRequest {
-            prompt: job.prompt.clone(),
-            negative_prompt: job.negative_prompt.clone(),
-            width: job.width,
-            height: job.height,
-            steps: job.steps,
-            guidance: job.guidance,
-            seed: job.seed,
-            image_indices: (0..job.images).collect(),
-            max_batch: images as usize,
-        })
-        .collect();
+    let requests: Vec<RenderRequest> = members.iter().map(|(_, job)| render_request(job, images)).collect();
     let control = RenderControl { cancel: CancelHandle::new(), ..RenderControl::default() };
     let timed_out = Arc::new(AtomicBool::new(false));
     let stopper = stop_at(shared, Instant::now() + shared.config.job_time_limit.0, &control.cancel, &timed_out);

@@ -341,17 +341,7 @@ async fn render(
     reservation: Reservation,
     deadline: Instant,
 ) -> Result<Rendered, RenderFailure> {
-    let request = RenderRequest {
-        prompt: job.prompt.clone(),
-        negative_prompt: job.negative_prompt.clone(),
-        width: job.width,
-        height: job.height,
-        steps: job.steps,
-        guidance: job.guidance,
-        seed: job.seed,
-        image_indices: (0..job.images).collect(),
-        max_batch: attempt.batch as usize,
-    };
+    let request = render_request(job, attempt.batch);
     let started = Instant::now();
     let render_number = shared.renders.fetch_add(1, Ordering::Relaxed) + 1;
     if let Some(text) = shared.config.faults.driver_fault(render_number) {
@@ -398,6 +388,21 @@ async fn render(
         }
         Err(RenderError::Cancelled { .. } | RenderError::Terminated { .. }) => Err(RenderFailure::Shutdown),
         Err(e) => Err(RenderFailure::Error(e)),
+    }
+}
+
+/// What the pipeline renders for a job: all its images, `max_batch` per UNet sub-batch.
+pub(crate) fn render_request(job: &ShotJob, max_batch: u32) -> RenderRequest {
+    RenderRequest {
+        prompt: job.prompt.clone(),
+        negative_prompt: job.negative_prompt.clone(),
+        width: job.width,
+        height: job.height,
+        steps: job.steps,
+        guidance: job.guidance,
+        seed: job.seed,
+        image_indices: (0..job.images).collect(),
+        max_batch: max_batch as usize,
     }
 }
 
