@@ -554,6 +554,7 @@ impl Pipeline {
                 device: &self.info.device,
                 runs: &runs,
                 shrink_arena: shrink != Shrink::Never,
+                host_steps: trace.is_some(),
             };
             let cond = Conditioning {
                 positive: chunk.iter().map(|&(r, _)| &conditions[r].0).collect(),

@@ -210,6 +210,17 @@ impl Schedule {
         (sigma * sigma + 1.0).sqrt()
     }
 
+    /// The step graph's parameters for step `i` (guidance, sigma, dt, the next sample's divisor),
+    /// or `None` where only the host step applies (v-prediction).
+    pub fn device_step_params(&self, i: usize, guidance: f32) -> Option<[f32; 4]> {
+        if self.prediction != Prediction::Epsilon {
+            return None;
+        }
+        let sigma = self.sigmas[i];
+        let next = if i + 1 < self.len() { self.input_scale(i + 1) } else { 1.0 };
+        Some([guidance, sigma, self.sigmas[i + 1] - sigma, next])
+    }
+
     /// `scale_model_input`: latents / sqrt(sigma^2 + 1).
     pub fn scale_model_input(&self, i: usize, latents: &[f32], out: &mut [f32]) {
         let scale = self.input_scale(i);

@@ -231,6 +231,15 @@ impl ModelSession {
         if !path.is_file() {
             return Err(LoadError::MissingFile { path: path.to_path_buf() });
         }
+        Self::build(env, path, None, options)
+    }
+
+    /// Loads a graph shipped inside the binary (`name` labels it in errors).
+    pub(crate) fn load_bytes(env: &Environment, name: &Path, bytes: &[u8], options: &PipelineOptions) -> Result<ModelSession, LoadError> {
+        Self::build(env, name, Some(bytes), options)
+    }
+
+    fn build(env: &Environment, path: &Path, bytes: Option<&[u8]>, options: &PipelineOptions) -> Result<ModelSession, LoadError> {
         let session_err = |source: ort::Error| LoadError::Session { path: path.to_path_buf(), source };
         let mut builder = Session::builder(env)
             .map_err(session_err)?
@@ -249,7 +258,11 @@ impl ModelSession {
             builder = builder.with_device_allocated_initializers().map_err(|e| session_err(e.into()))?;
         }
         builder = configure_device(builder, &options.device).map_err(session_err)?;
-        let session = builder.commit_from_file(path).map_err(session_err)?;
+        let session = match bytes {
+            Some(bytes) => builder.commit_from_memory(bytes),
+            None => builder.commit_from_file(path),
+        }
+        .map_err(session_err)?;
         let ports = |outlets: &[ort::value::Outlet]| -> Result<Vec<Port>, LoadError> {
             outlets.iter().map(|o| port(path, o.name(), o.dtype())).collect()
         };

@@ -2,24 +2,25 @@
 //!
 //! Device residency: the conditioning (prompt embeddings `[2n, 77, 2048]`, pooled embeddings and
 //! time ids) is copied to the execution provider's device once per sub-batch and stays bound
-//! through an `IoBinding` for every step. The latents make the round trip each step instead:
-//! guidance and the Euler update run on the host. That is a deliberate choice over a second
-//! ONNX graph for the step on the device: the latents are small (4 x 128 x 128 f32 = 256 KiB per
-//! image at 1024 px, two copies per step: tens of microseconds over PCIe against ~35 ms of UNet),
-//! and the host step is the same code on every device, which is what makes it provably equal to
-//! diffusers (tested bit-for-bit against the reference on the CPU provider).
+//! through an `IoBinding` for every step. Between two UNet calls, guidance and the Euler step run
+//! as a tiny graph of their own (`onnx/ops/euler_step_*.onnx`, built by `onnx/make_step_graphs.py`)
+//! on the same provider, whose outputs are bound as the next call's inputs: the latents stay on the
+//! device from the first step to the last and only come back for the VAE. The graph writes the
+//! step exactly as diffusers does, so it agrees with the host step to the last bits that float
+//! order allows (tested). The host step remains for v-prediction and for traced renders (the
+//! parity tests read the latents after every step).
 
 use std::ops::ControlFlow;
 
 use ort::environment::Environment;
 use ort::memory::{AllocationDevice, AllocatorType, MemoryInfo, MemoryType};
-use ort::value::DynTensor;
+use ort::value::{DynTensor, DynValue, Tensor};
 
 use super::control::Runs;
 use super::error::{LoadError, RenderError, Stage};
 use super::model::{FolderConfig, UNET};
 use super::scheduler::Schedule;
-use super::session::{ModelSession, Port, extract_f32, float_tensor, timestep_tensor};
+use super::session::{Elem, ModelSession, Port, extract_f32, float_tensor, timestep_tensor};
 use super::text_encoder::PromptEmbeds;
 use super::{Device, PipelineOptions, StepProgress};
 
@@ -33,6 +34,8 @@ pub(crate) struct Unet {
     output: String,
     /// Latent channels when the graph fixes them (4 for SDXL).
     pub latent_channels: Option<usize>,
+    /// Guidance + Euler step on the device, for the UNet's float type.
+    steps: StepGraphs,
 }
 
 /// The guidance batch of one sub-batch: `[negative x n, positive x n]`, as diffusers concatenates
@@ -55,6 +58,31 @@ pub(crate) struct Denoise<'a> {
     /// This render's run options; the last step's run shrinks the arena when `shrink_arena`.
     pub runs: &'a Runs,
     pub shrink_arena: bool,
+    /// Step on the host even where the device can (traced renders read every step's latents).
+    pub host_steps: bool,
+}
+
+/// The step graphs for one float type: with guidance (`[uncond; text]` in) and without.
+struct StepGraphs {
+    guided: ModelSession,
+    plain: ModelSession,
+}
+
+impl StepGraphs {
+    fn load(env: &Environment, elem: Elem, options: &PipelineOptions) -> Result<StepGraphs, LoadError> {
+        let (guided, plain): (&[u8], &[u8]) = match elem {
+            Elem::F16 => (
+                include_bytes!("../../../onnx/ops/euler_step_f16_guided.onnx"),
+                include_bytes!("../../../onnx/ops/euler_step_f16_plain.onnx"),
+            ),
+            _ => (
+                include_bytes!("../../../onnx/ops/euler_step_f32_guided.onnx"),
+                include_bytes!("../../../onnx/ops/euler_step_f32_plain.onnx"),
+            ),
+        };
+        let load = |name: &str, bytes| ModelSession::load_bytes(env, std::path::Path::new(name), bytes, options);
+        Ok(StepGraphs { guided: load("onnx/ops/euler_step_guided.onnx", guided)?, plain: load("onnx/ops/euler_step_plain.onnx", plain)? })
+    }
 }
 
 impl Unet {
@@ -79,7 +107,8 @@ impl Unet {
             .name
             .clone();
         let latent_channels = usize::try_from(sample.dims[1]).ok();
-        Ok(Unet { session, sample, timestep, encoder_hidden_states, text_embeds, time_ids, output, latent_channels })
+        let steps = StepGraphs::load(env, sample.elem, options)?;
+        Ok(Unet { session, sample, timestep, encoder_hidden_states, text_embeds, time_ids, output, latent_channels, steps })
     }
 
     pub(crate) fn arena_stats(&self) -> Option<super::ArenaStats> {
@@ -156,6 +185,13 @@ impl Unet {
         binding.bind_input(self.encoder_hidden_states.name.as_str(), &ehs).map_err(err)?;
         binding.bind_input(self.text_embeds.name.as_str(), &pooled).map_err(err)?;
         binding.bind_input(self.time_ids.name.as_str(), &time_ids).map_err(err)?;
+        if !run.host_steps && run.schedule.device_step_params(0, run.guidance).is_some() {
+            let device = MemoryInfo::new(device_kind.clone(), device_id, AllocatorType::Device, MemoryType::Default).map_err(err)?;
+            let graph = if guided { &self.steps.guided } else { &self.steps.plain };
+            let to_device = |t: DynTensor| -> Result<DynValue, RenderError> { Ok(resident(t).map_err(err)?.into_dyn()) };
+            return self.steps_on_device(&mut session, &mut binding, graph, run, &device, to_device, latents, on_step);
+        }
+
         // The noise prediction comes back to host memory for the step.
         let host = MemoryInfo::new(AllocationDevice::CPU, 0, AllocatorType::Device, MemoryType::Default).map_err(err)?;
 
@@ -201,6 +237,70 @@ impl Unet {
                 return Err(RenderError::Cancelled { steps_done: i as u32 + 1 });
             }
         }
+        Ok(())
+    }
+
+    /// The loop with the latents resident on the device: each UNet call's output feeds the step
+    /// graph, whose outputs are the next call's sample and the new latents.
+    #[allow(clippy::too_many_arguments)]
+    fn steps_on_device(
+        &self,
+        session: &mut ort::session::Session,
+        binding: &mut ort::session::IoBinding,
+        graph: &ModelSession,
+        run: &Denoise<'_>,
+        device: &MemoryInfo,
+        to_device: impl Fn(DynTensor) -> Result<DynValue, RenderError>,
+        latents: &mut [f32],
+        on_step: &mut dyn FnMut(StepProgress) -> ControlFlow<()>,
+    ) -> Result<(), RenderError> {
+        let err = run.runs.err(Stage::Unet);
+        let [n, c, h, w] = run.latent_shape;
+        let per_image = c * h * w;
+        let batch = if std::ptr::eq(graph, &self.steps.guided) { 2 * n } else { n };
+        let mut first = vec![0.0f32; batch * per_image];
+        for copy in first.chunks_exact_mut(n * per_image) {
+            run.schedule.scale_model_input(0, latents, copy);
+        }
+        let mut sample = to_device(float_tensor(&self.sample, &[batch, c, h, w], &first).map_err(err)?)?;
+        let mut current = to_device(Tensor::from_array((vec![n, c, h, w], latents.to_vec())).map_err(err)?.upcast())?;
+        let mut step_session = graph.lock();
+        let mut step_binding = step_session.create_binding().map_err(err)?;
+        let steps = run.schedule.len();
+        let missing = |name: &str| RenderError::Output { stage: Stage::Unet, detail: format!("no output \"{name}\"") };
+        for i in 0..steps {
+            let timestep = timestep_tensor(&self.timestep, run.schedule.timesteps[i], batch).map_err(err)?;
+            binding.bind_input(self.sample.name.as_str(), &sample).map_err(err)?;
+            binding.bind_input(self.timestep.name.as_str(), &timestep).map_err(err)?;
+            binding.bind_output_to_device(self.output.as_str(), device).map_err(err)?;
+            run.runs.check(Stage::Unet)?;
+            let options = run.runs.last(run.shrink_arena && i + 1 == steps);
+            let mut outputs = session.run_binding_with_options(binding, options).map_err(err)?;
+            let noise = outputs.remove(self.output.as_str()).ok_or_else(|| missing(&self.output))?;
+            drop(outputs);
+
+            let params = run.schedule.device_step_params(i, run.guidance).expect("checked before the loop");
+            let params = Tensor::from_array((vec![4usize], params.to_vec())).map_err(err)?;
+            step_binding.bind_input("noise_pred", &noise).map_err(err)?;
+            step_binding.bind_input("latents", &current).map_err(err)?;
+            step_binding.bind_input("params", &params).map_err(err)?;
+            step_binding.bind_output_to_device("latents_next", device).map_err(err)?;
+            step_binding.bind_output_to_device("sample_next", device).map_err(err)?;
+            let mut stepped = step_session.run_binding(&step_binding).map_err(err)?;
+            current = stepped.remove("latents_next").ok_or_else(|| missing("latents_next"))?;
+            sample = stepped.remove("sample_next").ok_or_else(|| missing("sample_next"))?;
+            drop(stepped);
+
+            let progress = StepProgress { step: i as u32 + 1, steps: steps as u32, images: n as u32, images_done: 0 };
+            if on_step(progress).is_break() {
+                return Err(RenderError::Cancelled { steps_done: i as u32 + 1 });
+            }
+        }
+        // Back to the host for the VAE (a no-op copy on the CPU provider).
+        let current: Tensor<f32> = current.downcast().map_err(err)?;
+        let host_side = current.to(AllocationDevice::CPU, 0).map_err(err)?;
+        let (_, data) = host_side.extract_tensor();
+        latents.copy_from_slice(data);
         Ok(())
     }
 }
