@@ -121,7 +121,7 @@ async fn try_follow(js: &jetstream::Context, stream: &str, filter: &str) -> Resu
     let stream = js.get_stream(stream).await.map_err(|e| e.to_string())?;
     let consumer = stream
         .create_consumer(consumer::push::OrderedConfig {
-            deliver_subject: js_inbox(),
+            deliver_subject: js.client().new_inbox(),
             filter_subject: filter.to_owned(),
             deliver_policy: consumer::DeliverPolicy::All,
             ..Default::default()
@@ -129,18 +129,6 @@ async fn try_follow(js: &jetstream::Context, stream: &str, filter: &str) -> Resu
         .await
         .map_err(|e| e.to_string())?;
     consumer.messages().await.map_err(|e| e.to_string())
-}
-
-fn js_inbox() -> String {
-    format!("_INBOX.shotfleet-wait.{}", nuid())
-}
-
-/// A unique enough token for an inbox: time and a counter.
-fn nuid() -> String {
-    use std::sync::atomic::{AtomicU64, Ordering};
-    static COUNTER: AtomicU64 = AtomicU64::new(0);
-    let nanos = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).unwrap_or_default().as_nanos();
-    format!("{nanos:x}{:x}", COUNTER.fetch_add(1, Ordering::Relaxed))
 }
 
 fn read_outcome(

@@ -248,16 +248,13 @@ impl PeakMeter {
         Ok(Self { probe, baseline })
     }
 
-    /// Runs `work` and returns its output with the peak usage above the baseline, bytes. One
-    /// measurement at a time per process (the probe's high-water mark is process-wide).
-    ///
-    /// # Errors
-    ///
-    /// The probe could not read the usage.
-    pub fn measure<T>(&self, work: impl FnOnce() -> T) -> Result<(T, u64), ProbeError> {
-        self.probe.start_peak()?;
+    /// Runs `work` once and returns its output with the peak usage above the baseline, bytes,
+    /// or why the peak could not be read (the work runs either way). One measurement at a time
+    /// per process (the probe's high-water mark is process-wide).
+    pub fn measure<T>(&self, work: impl FnOnce() -> T) -> (T, Result<u64, ProbeError>) {
+        let started = self.probe.start_peak();
         let output = work();
-        let peak = self.probe.peak_since_start()?;
-        Ok((output, peak.saturating_sub(self.baseline)))
+        let peak = started.and_then(|_| self.probe.peak_since_start()).map(|peak| peak.saturating_sub(self.baseline));
+        (output, peak)
     }
 }

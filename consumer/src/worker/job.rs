@@ -358,10 +358,10 @@ async fn render(
     let outcome = tokio::task::spawn_blocking(move || {
         let render = || pipeline.render_with(&request, &control, &mut |_| ControlFlow::Continue(()));
         match meter {
-            Some(meter) => match meter.measure(render) {
-                Ok((result, peak)) => (result, Some(peak)),
-                Err(_) => (render(), None),
-            },
+            Some(meter) => {
+                let (result, peak) = meter.measure(render);
+                (result, peak.ok())
+            }
             None => (render(), None),
         }
     })

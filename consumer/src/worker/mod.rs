@@ -67,7 +67,7 @@ impl WorkerError {
 }
 
 impl WorkerError {
-    fn start(step: &str, e: impl std::fmt::Display) -> Self {
+    pub(crate) fn start(step: &str, e: impl std::fmt::Display) -> Self {
         Self::Start { step: step.to_owned(), detail: e.to_string() }
     }
 }

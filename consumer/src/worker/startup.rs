@@ -28,15 +28,15 @@ pub struct Ready {
 /// [`WorkerError::Start`] naming the step that failed.
 pub async fn prepare(config: &WorkerConfig) -> Result<Ready, WorkerError> {
     let started = Instant::now();
-    let probe = budget::open_probe(&config.budget, config.gpu_index()).map_err(|e| start("open the GPU probe", e))?;
-    let before = probe.snapshot().map_err(|e| start("read the GPU", e))?;
+    let probe = budget::open_probe(&config.budget, config.gpu_index()).map_err(|e| WorkerError::start("open the GPU probe", e))?;
+    let before = probe.snapshot().map_err(|e| WorkerError::start("read the GPU", e))?;
     let options = pipeline_options(config, before.total, before.free);
     let model = config.model.clone();
-    let pipeline = blocking(move || Pipeline::load(&model, &options)).await?.map_err(|e| start("load the model", e))?;
+    let pipeline = blocking(move || Pipeline::load(&model, &options)).await?.map_err(|e| WorkerError::start("load the model", e))?;
     let pipeline = Arc::new(pipeline);
-    let after = probe.snapshot().map_err(|e| start("read the GPU", e))?;
+    let after = probe.snapshot().map_err(|e| WorkerError::start("read the GPU", e))?;
     let resident = after.resident_since(&before);
-    let meter = Arc::new(PeakMeter::new(probe.clone()).map_err(|e| start("measure the baseline", e))?);
+    let meter = Arc::new(PeakMeter::new(probe.clone()).map_err(|e| WorkerError::start("measure the baseline", e))?);
     info!(model = %pipeline.info().name, device = %after.device, resident_mib = resident / budget::MIB, load_s = started.elapsed().as_secs_f64(), "models loaded");
 
     let key = FingerprintKey {
@@ -62,14 +62,14 @@ pub async fn prepare(config: &WorkerConfig) -> Result<Ready, WorkerError> {
                 info!(width = w, height = h, images = n, peak_mib = peak as f64 / budget::MIB as f64, "probe render");
                 samples.push(Sample { shape, peak_bytes: peak });
             }
-            let estimate = Estimate::calibrate(&samples).map_err(|e| start("calibrate the budget", e))?;
+            let estimate = Estimate::calibrate(&samples).map_err(|e| WorkerError::start("calibrate the budget", e))?;
             if let Err(e) = fingerprints.save(&key, &estimate) {
                 tracing::warn!(error = %e, "could not store the calibration; the next start calibrates again");
             }
             estimate
         }
     };
-    let budget = Budget::new(config.budget.clone(), probe.clone(), estimate, resident).map_err(|e| start("configure the budget", e))?;
+    let budget = Budget::new(config.budget.clone(), probe.clone(), estimate, resident).map_err(|e| WorkerError::start("configure the budget", e))?;
     log_budget(&budget, &config.classes);
     info!(warmup_s = started.elapsed().as_secs_f64(), "worker ready");
     Ok(Ready { pipeline, budget, probe, meter })
@@ -131,18 +131,13 @@ async fn measure(pipeline: &Arc<Pipeline>, meter: &Arc<PeakMeter>, shape: Shape,
         max_batch: shape.images as usize,
     };
     let what = format!("render a {}x{}x{} probe", shape.width, shape.height, shape.images);
-    let (rendered, peak) = blocking(move || meter.measure(|| pipeline.render(&request, &mut |_| std::ops::ControlFlow::Continue(()))))
-        .await?
-        .map_err(|e| start("measure a probe render", e))?;
-    rendered.map_err(|e| start(&what, e))?;
-    Ok(peak)
-}
-
-fn start(step: &str, e: impl std::fmt::Display) -> WorkerError {
-    WorkerError::Start { step: step.to_owned(), detail: e.to_string() }
+    let (rendered, peak) =
+        blocking(move || meter.measure(|| pipeline.render(&request, &mut |_| std::ops::ControlFlow::Continue(())))).await?;
+    rendered.map_err(|e| WorkerError::start(&what, e))?;
+    peak.map_err(|e| WorkerError::start("measure a probe render", e))
 }
 
 /// Runs blocking work (ONNX Runtime) off the async threads.
 pub async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Result<T, WorkerError> {
-    tokio::task::spawn_blocking(f).await.map_err(|e| WorkerError::Start { step: "run a blocking task".into(), detail: e.to_string() })
+    tokio::task::spawn_blocking(f).await.map_err(|e| WorkerError::start("run a blocking task", e))
 }
