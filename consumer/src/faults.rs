@@ -39,6 +39,10 @@ pub struct FaultConfig {
     /// Leak this many MiB (allocated and touched, never freed) after every job: the leak guard's
     /// test signal.
     pub leak_mib_per_job: u64,
+    /// Cap ONNX Runtime's CUDA arena (`gpu_mem_limit`, per session) at this many MiB without the
+    /// budget knowing: a job the budget admits then runs out of device memory for real, which
+    /// is how the out-of-memory path is rehearsed on a card too large to fill.
+    pub arena_limit_mib: Option<u64>,
 }
 
 impl FaultConfig {
@@ -48,6 +52,7 @@ impl FaultConfig {
             || self.mark_images
             || self.driver_fault_on_render.is_some()
             || self.leak_mib_per_job > 0
+            || self.arena_limit_mib.is_some()
     }
 
     /// The injected driver error for render number `n` (1-based), if any.

@@ -50,7 +50,7 @@ async fn telemetry_metrics_show_what_the_helpers_recorded() {
     telemetry::budget(6 << 30, 2 << 30);
     telemetry::gpu_memory(10 << 30, 24 << 30);
     telemetry::gpu_utilization(1.7);
-    telemetry::estimate_error(1000, 1100);
+    telemetry::estimate_error(1000, 1100, true);
     let job = telemetry::in_flight();
 
     let (status, body) = get(server.local_addr(), "/metrics").await;
@@ -67,8 +67,8 @@ async fn telemetry_metrics_show_what_the_helpers_recorded() {
         "shotfleet_gpu_memory_used_bytes 10737418240",
         "shotfleet_gpu_memory_total_bytes 25769803776",
         "shotfleet_gpu_utilization_ratio 1",
-        r#"shotfleet_estimate_error_ratio_bucket{le="0.1"} 1"#,
-        r#"shotfleet_estimate_error_ratio_bucket{le="0.05"} 0"#,
+        r#"shotfleet_estimate_error_ratio_bucket{start="cold",le="0.1"} 1"#,
+        r#"shotfleet_estimate_error_ratio_bucket{start="cold",le="0.05"} 0"#,
         "shotfleet_in_flight_jobs 1",
         "# HELP shotfleet_jobs_total Jobs that left this worker",
         "# TYPE shotfleet_render_seconds histogram",

@@ -61,6 +61,11 @@ struct Cli {
     /// Human-readable logs instead of JSON.
     #[arg(long)]
     plain_logs: bool,
+    /// Check the budget instead of serving: load and calibrate, render each shape
+    /// (WIDTHxHEIGHTxIMAGES, comma separated) from shrunk arenas, print predicted vs observed
+    /// peak memory as JSON lines on stdout, and exit (0: every render worked). No NATS needed.
+    #[arg(long, value_name = "SHAPES")]
+    check_budget: Option<String>,
 }
 
 #[tokio::main]
@@ -96,6 +101,9 @@ async fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    if let Some(shapes) = cli.check_budget {
+        return check_budget(&config, &shapes).await;
+    }
     match shotfleet_consumer::run(config, env.into_iter().collect(), shutdown_signal()).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -104,6 +112,42 @@ async fn main() -> ExitCode {
             ExitCode::from(e.exit_code() as u8)
         }
     }
+}
+
+/// `--check-budget`: one JSON object per shape on stdout, then a summary line.
+async fn check_budget(config: &WorkerConfig, shapes: &str) -> ExitCode {
+    use shotfleet_consumer::worker::check;
+    let shapes = match check::parse_shapes(shapes, &config.limits) {
+        Ok(shapes) => shapes,
+        Err(e) => {
+            eprintln!("shotfleet-consumer: --check-budget: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let (ready, checked) = match check::check_budget(config, &shapes).await {
+        Ok(done) => done,
+        Err(e) => {
+            eprintln!("shotfleet-consumer: {e}");
+            return ExitCode::from(e.exit_code() as u8);
+        }
+    };
+    for row in &checked {
+        println!("{}", serde_json::to_string(row).expect("plain numbers serialize"));
+    }
+    let estimate = ready.budget.estimate();
+    let max_abs_error = checked.iter().map(|r| r.error.abs()).fold(0.0, f64::max);
+    let summary = serde_json::json!({"summary": {
+        "shapes": checked.len(),
+        "max_abs_error": max_abs_error,
+        "within_10pct": checked.iter().filter(|r| r.error.abs() <= 0.10).count(),
+        "coefficients": estimate.coefficients(),
+        "calibration": estimate.calibration().iter().map(|s| serde_json::json!({
+            "width": s.shape.width, "height": s.shape.height, "images": s.shape.images,
+            "peak_mib": s.peak_bytes as f64 / shotfleet_consumer::budget::MIB as f64,
+        })).collect::<Vec<_>>(),
+    }});
+    println!("{summary}");
+    ExitCode::SUCCESS
 }
 
 /// Resolves on the first SIGTERM or SIGINT.

@@ -1,10 +1,22 @@
-//! The per-render memory need: `need = a + b x latent pixels x images x 2`.
+//! The per-render memory need, fitted to measured peaks:
 //!
-//! `a` is what a render holds whatever its size (text encoder outputs, scheduler state, kernel
-//! workspaces); `b` is what each latent pixel of the UNet batch costs (activations, attention).
-//! The batch is doubled because classifier-free guidance runs negative and positive together.
-//! Both are fitted by least squares to measured peaks: a few probe renders at start, then every
-//! observed render, on a bounded window so the fit follows the card and the model as they are.
+//! `need = fixed + per_unit x units + per_pixel x L + per_pixel_sq x L^2`
+//!
+//! with `units = latent pixels x images x 2` (the UNet's guidance batch: negative and positive run
+//! together) and `L` the latent pixels of one image. The terms follow where a render's memory
+//! goes on ONNX Runtime, where each graph has its own arena and keeps it for the whole render:
+//! `fixed` is what any render holds (text encoder outputs, kernel workspaces); `per_unit` the
+//! UNet's activations, which grow with the batch; the `L` terms the VAE decoder, which decodes
+//! one image at a time in float32, with an attention over all latent pixels that grows with
+//! their square where it is not fused. On the first H200 lease the 1024x1024 render peaked at
+//! 8.8 GiB above the models with one image and 9.2 GiB with two: most of a render's memory grows
+//! with the image, not the batch, which a batch-only model cannot express.
+//!
+//! Least squares over the probe renders and recent observations, every part non-negative: the
+//! fit tries the model with every term and simpler ones, and keeps the closest whose parts are
+//! all non-negative, the simpler on a tie. A model of `k` terms needs `k + 1` distinct shapes
+//! (two for the two-term ones), so a few probes cannot be interpolated by a curve that
+//! extrapolates wildly.
 
 use std::collections::VecDeque;
 
@@ -63,13 +75,33 @@ pub enum EstimateError {
     NoGrowth { peaks: Vec<u64> },
 }
 
+/// The fitted terms, bytes: see the module documentation.
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
+pub struct Coefficients {
+    pub fixed: f64,
+    /// Per unit: latent pixel of the guidance batch.
+    pub per_unit: f64,
+    /// Per latent pixel of one image.
+    pub per_pixel: f64,
+    /// Per squared latent pixel count of one image.
+    pub per_pixel_sq: f64,
+}
+
+impl Coefficients {
+    fn need(&self, shape: Shape) -> f64 {
+        let [one, units, pixels, pixels_sq] = features(shape);
+        self.fixed * one + self.per_unit * units + self.per_pixel * pixels + self.per_pixel_sq * pixels_sq
+    }
+
+    fn grows(&self) -> bool {
+        self.per_unit > 0.0 || self.per_pixel > 0.0 || self.per_pixel_sq > 0.0
+    }
+}
+
 /// The fitted need model and what it learned from.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Estimate {
-    /// `a`, bytes.
-    fixed_bytes: f64,
-    /// `b`, bytes per unit.
-    bytes_per_unit: f64,
+    terms: Coefficients,
     /// The probe renders; always part of the fit, so a window of one shape cannot tilt it.
     calibration: Vec<Sample>,
     recent: VecDeque<Sample>,
@@ -84,22 +116,11 @@ impl Estimate {
     ///
     /// Fewer than two distinct sizes, or peaks that do not grow with size.
     pub fn calibrate(samples: &[Sample]) -> Result<Self, EstimateError> {
-        let (fixed_bytes, bytes_per_unit) = fit(samples).ok_or_else(|| {
-            let mut units: Vec<f64> = samples.iter().map(|s| s.shape.units()).collect();
-            units.sort_by(f64::total_cmp);
-            units.dedup();
-            EstimateError::NotEnoughShapes { distinct: units.len() }
-        })?;
-        if bytes_per_unit <= 0.0 {
+        let terms = fit(samples).ok_or_else(|| EstimateError::NotEnoughShapes { distinct: distinct_shapes(samples) })?;
+        if !terms.grows() {
             return Err(EstimateError::NoGrowth { peaks: samples.iter().map(|s| s.peak_bytes).collect() });
         }
-        let mut estimate = Self {
-            fixed_bytes,
-            bytes_per_unit,
-            calibration: samples.to_vec(),
-            recent: VecDeque::new(),
-            floors: Vec::new(),
-        };
+        let mut estimate = Self { terms, calibration: samples.to_vec(), recent: VecDeque::new(), floors: Vec::new() };
         for sample in samples {
             estimate.raise_floor(sample.shape, sample.peak_bytes);
         }
@@ -109,7 +130,7 @@ impl Estimate {
     /// The bytes a render of `shape` needs, before any safety margin: the fitted model, and
     /// never less than a peak seen at this shape or a smaller one.
     pub fn need(&self, shape: Shape) -> u64 {
-        let modelled = (self.fixed_bytes + self.bytes_per_unit * shape.units()).ceil() as u64;
+        let modelled = self.terms.need(shape).ceil() as u64;
         let floor = self.floors.iter().filter(|f| f.shape.fits_within(&shape)).map(|f| f.peak_bytes).max();
         modelled.max(floor.unwrap_or(0))
     }
@@ -125,9 +146,9 @@ impl Estimate {
             self.recent.pop_front();
         }
         self.raise_floor(sample.shape, sample.peak_bytes);
-        if let Some((fixed, per_unit)) = fit(self.calibration.iter().chain(&self.recent)) {
-            self.fixed_bytes = fixed;
-            self.bytes_per_unit = per_unit;
+        let samples: Vec<Sample> = self.calibration.iter().chain(&self.recent).copied().collect();
+        if let Some(terms) = fit(&samples).filter(Coefficients::grows) {
+            self.terms = terms;
         }
         error
     }
@@ -145,40 +166,120 @@ impl Estimate {
         self.floors.push(Sample { shape, peak_bytes: bytes });
     }
 
-    /// `(a, b)`: bytes, and bytes per latent pixel of the guidance batch.
-    pub fn coefficients(&self) -> (f64, f64) {
-        (self.fixed_bytes, self.bytes_per_unit)
+    /// The probe renders it was calibrated on.
+    pub fn calibration(&self) -> &[Sample] {
+        &self.calibration
+    }
+
+    /// The fitted terms.
+    pub fn coefficients(&self) -> Coefficients {
+        self.terms
     }
 }
 
-/// Least squares of peak on units, clamped to what memory can do: neither part negative. `None`
-/// when all samples have one size, where a slope cannot be told.
-fn fit<'a>(samples: impl IntoIterator<Item = &'a Sample> + Clone) -> Option<(f64, f64)> {
-    let points = || samples.clone().into_iter().map(|s| (s.shape.units(), s.peak_bytes as f64));
-    let n = points().count() as f64;
-    if n == 0.0 {
+/// `[1, units, L, L^2]` of a shape: the model's variables.
+fn features(shape: Shape) -> [f64; 4] {
+    let pixels = shape.latent_pixels() as f64;
+    [1.0, shape.units(), pixels, pixels * pixels]
+}
+
+/// The candidate models, as masks over `[fixed, per_unit, per_pixel, per_pixel_sq]`, simplest
+/// last: ties go to the simpler.
+const MODELS: [[bool; 4]; 8] = [
+    [true, true, true, true],
+    [true, true, true, false],
+    [true, true, false, true],
+    [false, true, true, true],
+    [true, true, false, false],
+    [false, true, true, false],
+    [false, true, false, false],
+    [true, false, false, false],
+];
+
+fn distinct_shapes(samples: &[Sample]) -> usize {
+    let mut shapes: Vec<Shape> = samples.iter().map(|s| s.shape).collect();
+    shapes.sort_by_key(|s| (s.width, s.height, s.images));
+    shapes.dedup();
+    shapes.len()
+}
+
+/// The closest non-negative model the samples can determine (see the module documentation);
+/// `None` without samples, or when all have one size (no slope can be told).
+fn fit(samples: &[Sample]) -> Option<Coefficients> {
+    let distinct = distinct_shapes(samples);
+    let mut sizes: Vec<u64> = samples.iter().map(|s| s.shape.units() as u64).collect();
+    sizes.sort_unstable();
+    sizes.dedup();
+    if sizes.len() < 2 {
         return None;
     }
-    let mean_x = points().map(|(x, _)| x).sum::<f64>() / n;
-    let mean_y = points().map(|(_, y)| y).sum::<f64>() / n;
-    let sxx: f64 = points().map(|(x, _)| (x - mean_x).powi(2)).sum();
-    let sxy: f64 = points().map(|(x, y)| (x - mean_x) * (y - mean_y)).sum();
-    if sxx <= f64::EPSILON * mean_x.powi(2) {
-        return None;
+    let rows: Vec<([f64; 4], f64)> = samples.iter().map(|s| (features(s.shape), s.peak_bytes as f64)).collect();
+    let mut best: Option<(f64, usize, Coefficients)> = None;
+    for mask in MODELS {
+        let k = mask.iter().filter(|&&on| on).count();
+        if distinct < if k <= 2 { k } else { k + 1 } {
+            continue;
+        }
+        let Some(terms) = least_squares(&rows, mask) else { continue };
+        let values = [terms.fixed, terms.per_unit, terms.per_pixel, terms.per_pixel_sq];
+        if values.iter().any(|&v| v < 0.0) {
+            continue;
+        }
+        let rss: f64 = rows.iter().map(|(x, y)| (y - dot(&values, x)).powi(2)).sum();
+        // Within rounding of the best so far counts as a tie, which the simpler (later) model wins.
+        let better = match &best {
+            None => true,
+            Some((best_rss, best_k, _)) => rss < best_rss * (1.0 - 1e-9) - 1.0 || (rss <= best_rss * (1.0 + 1e-9) + 1.0 && k <= *best_k),
+        };
+        if better {
+            best = Some((rss, k, terms));
+        }
     }
-    let slope = sxy / sxx;
-    if slope <= 0.0 {
-        // Bigger renders cannot need less; read the data as a constant need.
-        return Some((mean_y, 0.0));
+    best.map(|(_, _, terms)| terms)
+}
+
+fn dot(a: &[f64; 4], b: &[f64; 4]) -> f64 {
+    a.iter().zip(b).map(|(x, y)| x * y).sum()
+}
+
+/// Ordinary least squares over the masked columns (scaled to 1, solved by Gaussian elimination
+/// with partial pivoting); `None` when they are collinear over these samples.
+fn least_squares(rows: &[([f64; 4], f64)], mask: [bool; 4]) -> Option<Coefficients> {
+    let cols: Vec<usize> = (0..4).filter(|&j| mask[j]).collect();
+    let k = cols.len();
+    let scale: Vec<f64> = cols.iter().map(|&j| rows.iter().map(|(x, _)| x[j].abs()).fold(0.0, f64::max).max(f64::MIN_POSITIVE)).collect();
+    // Normal equations [XᵀX | Xᵀy] on the scaled columns.
+    let mut m = vec![vec![0.0f64; k + 1]; k];
+    for (x, y) in rows {
+        let xs: Vec<f64> = cols.iter().zip(&scale).map(|(&j, s)| x[j] / s).collect();
+        for r in 0..k {
+            for c in 0..k {
+                m[r][c] += xs[r] * xs[c];
+            }
+            m[r][k] += xs[r] * y;
+        }
     }
-    let intercept = mean_y - slope * mean_x;
-    if intercept < 0.0 {
-        // A render cannot need negative memory at size zero: fit through the origin instead.
-        let sxy0: f64 = points().map(|(x, y)| x * y).sum();
-        let sxx0: f64 = points().map(|(x, _)| x * x).sum();
-        return Some((0.0, sxy0 / sxx0));
+    for p in 0..k {
+        let pivot = (p..k).max_by(|&a, &b| m[a][p].abs().total_cmp(&m[b][p].abs()))?;
+        if m[pivot][p].abs() < 1e-9 * rows.len() as f64 {
+            return None;
+        }
+        m.swap(p, pivot);
+        let pivot_row = m[p].clone();
+        for (r, row) in m.iter_mut().enumerate() {
+            if r != p {
+                let f = row[p] / pivot_row[p];
+                for (x, y) in row[p..].iter_mut().zip(&pivot_row[p..]) {
+                    *x -= f * y;
+                }
+            }
+        }
     }
-    Some((intercept, slope))
+    let mut values = [0.0f64; 4];
+    for (i, &j) in cols.iter().enumerate() {
+        values[j] = m[i][k] / m[i][i] / scale[i];
+    }
+    Some(Coefficients { fixed: values[0], per_unit: values[1], per_pixel: values[2], per_pixel_sq: values[3] })
 }
 
 #[cfg(test)]
@@ -200,12 +301,37 @@ mod tests {
     #[test]
     fn calibration_recovers_a_known_model() {
         let estimate = calibrated();
-        let (a, b) = estimate.coefficients();
-        assert!((a - (300 * MIB) as f64).abs() < 1.0, "a = {a}");
-        assert!((b - 4096.0).abs() < 1e-6, "b = {b}");
+        let terms = estimate.coefficients();
+        assert!((terms.fixed - (300 * MIB) as f64).abs() < 1.0, "{terms:?}");
+        assert!((terms.per_unit - 4096.0).abs() < 1e-6, "{terms:?}");
+        assert_eq!((terms.per_pixel, terms.per_pixel_sq), (0.0, 0.0));
         // Extrapolates to a batch it never saw.
         let batch = Shape::new(1024, 1024, 4);
-        assert_eq!(estimate.need(batch), synthetic(batch).peak_bytes);
+        assert!(estimate.need(batch).abs_diff(synthetic(batch).peak_bytes) <= 1, "rounding only");
+    }
+
+    /// Peaks shaped as on the H200: most memory grows with one image's size (the VAE), a little
+    /// with the batch, and the largest size adds an attention that grows with its square. The
+    /// full model recovers the parts from five probes and predicts shapes it never saw.
+    #[test]
+    fn calibration_separates_the_batch_from_the_image() {
+        let truth = Coefficients { fixed: 200.0 * MIB as f64, per_unit: 13_000.0, per_pixel: 400_000.0, per_pixel_sq: 4.0 };
+        let sample = |w, h, n| {
+            let shape = Shape::new(w, h, n);
+            Sample { shape, peak_bytes: truth.need(shape).round() as u64 }
+        };
+        let probes = [sample(512, 512, 1), sample(768, 768, 1), sample(1024, 1024, 1), sample(1024, 1024, 2), sample(1536, 1536, 1)];
+        let estimate = Estimate::calibrate(&probes).unwrap();
+        for (w, h, n) in [(1536, 1536, 4), (1152, 896, 3), (512, 512, 4), (1024, 1024, 4)] {
+            let want = sample(w, h, n).peak_bytes as f64;
+            let got = estimate.need(Shape::new(w, h, n)) as f64;
+            assert!((got / want - 1.0).abs() < 1e-6, "{w}x{h}x{n}: {got} vs {want}");
+        }
+        // The batch-only model could not: it would give four 1024x1024 images four times the
+        // growth of one, where the truth adds 13 KB per unit only.
+        let linear = fit_with(&probes, MODELS[4]).unwrap();
+        let four = Shape::new(1024, 1024, 4);
+        assert!((linear.need(four) / truth.need(four) - 1.0).abs() > 0.5);
     }
 
     #[test]
@@ -218,16 +344,22 @@ mod tests {
 
     #[test]
     fn fit_is_clamped_to_non_negative_parts() {
-        // Peaks that extrapolate below zero at size zero: fitted through the origin.
+        // Peaks that extrapolate below zero at size zero: fitted without the fixed part.
         let steep = [(512, 100 * MIB), (1024, 500 * MIB)]
             .map(|(side, peak_bytes)| Sample { shape: Shape::new(side, side, 1), peak_bytes });
-        let (a, b) = fit(&steep).unwrap();
-        assert_eq!(a, 0.0);
-        assert!(b > 0.0);
+        let terms = fit(&steep).unwrap();
+        assert_eq!(terms.fixed, 0.0);
+        assert!(terms.grows());
         // Peaks that fall with size: a constant need at their mean.
         let falling = [(512, 500 * MIB), (1024, 100 * MIB)]
             .map(|(side, peak_bytes)| Sample { shape: Shape::new(side, side, 1), peak_bytes });
-        assert_eq!(fit(&falling), Some(((300 * MIB) as f64, 0.0)));
+        assert_eq!(fit(&falling), Some(Coefficients { fixed: (300 * MIB) as f64, ..Coefficients::default() }));
+    }
+
+    /// One candidate model alone, for comparisons.
+    fn fit_with(samples: &[Sample], mask: [bool; 4]) -> Option<Coefficients> {
+        let rows: Vec<([f64; 4], f64)> = samples.iter().map(|s| (features(s.shape), s.peak_bytes as f64)).collect();
+        least_squares(&rows, mask)
     }
 
     #[test]
@@ -242,7 +374,8 @@ mod tests {
         assert!(estimate.need(shape) >= observed);
         // Larger shapes inherit the floor; the fit itself moved up.
         assert!(estimate.need(Shape::new(1024, 1024, 3)) >= observed);
-        assert!(estimate.coefficients().1 > 4096.0 || estimate.coefficients().0 > (300 * MIB) as f64);
+        let terms = estimate.coefficients();
+        assert!(terms.per_unit > 4096.0 || terms.fixed > (300 * MIB) as f64 || terms.per_pixel > 0.0);
         // An overestimate is a negative error.
         let small = Shape::new(512, 512, 1);
         let under = estimate.observe(Sample { shape: small, peak_bytes: estimate.need(small) / 2 }, 8);

@@ -45,10 +45,10 @@ use shotfleet_schema::MemoryClass;
 use tracing::warn;
 
 pub use config::{BudgetConfig, ConfigError, MIB, SimulateConfig};
-pub use estimate::{Estimate, EstimateError, Sample, Shape};
+pub use estimate::{Coefficients, Estimate, EstimateError, Sample, Shape};
 pub use fingerprint::{FingerprintError, FingerprintKey, FingerprintStore};
 pub use nvml::{NvmlProbe, watch_critical_events};
-pub use probe::{GpuProbe, GpuSnapshot, PeakMeter, PeakWindow, ProbeError};
+pub use probe::{GpuProbe, GpuSnapshot, Measured, PeakMeter, PeakWindow, ProbeError};
 pub use simulated::{SIMULATED_DEVICE, SimulatedGpu};
 pub use water::Water;
 

@@ -229,11 +229,29 @@ mod tests {
 /// A [`PeakWindow`] sees only growth, and an arena reuses what it already holds, so a render
 /// that fits in memory cached by an earlier one looks free. Measured from the post-load
 /// baseline instead, a render's peak is everything it needed above the models, cached or not:
-/// exact for calibration (probes run smallest first, so each one's arena is its own) and an
-/// upper bound afterwards (a cache left by a larger job counts), which errs on the safe side.
+/// exact when the render starts from arenas shrunk back to the models (probe renders and
+/// budget checks do), an upper bound otherwise (a cache left by a larger job counts), which
+/// [`Measured::cold`] tells apart.
 pub struct PeakMeter {
     probe: std::sync::Arc<dyn GpuProbe>,
     baseline: u64,
+}
+
+/// One measured render, bytes above the post-load baseline.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Measured {
+    /// The highest usage during the render.
+    pub peak: u64,
+    /// What the arenas already held when it started.
+    pub held_at_start: u64,
+}
+
+impl Measured {
+    /// Whether the render started from (nearly) shrunk arenas, so `peak` is its own need: what
+    /// was held at the start is under 1/20 of the peak.
+    pub fn cold(&self) -> bool {
+        self.held_at_start.saturating_mul(20) <= self.peak
+    }
 }
 
 impl PeakMeter {
@@ -248,13 +266,16 @@ impl PeakMeter {
         Ok(Self { probe, baseline })
     }
 
-    /// Runs `work` once and returns its output with the peak usage above the baseline, bytes,
-    /// or why the peak could not be read (the work runs either way). One measurement at a time
-    /// per process (the probe's high-water mark is process-wide).
-    pub fn measure<T>(&self, work: impl FnOnce() -> T) -> (T, Result<u64, ProbeError>) {
+    /// Runs `work` once and returns its output with its measurement, or why the peak could not
+    /// be read (the work runs either way). One measurement at a time per process (the probe's
+    /// high-water mark is process-wide).
+    pub fn measure<T>(&self, work: impl FnOnce() -> T) -> (T, Result<Measured, ProbeError>) {
         let started = self.probe.start_peak();
         let output = work();
-        let peak = started.and_then(|_| self.probe.peak_since_start()).map(|peak| peak.saturating_sub(self.baseline));
-        (output, peak)
+        let measured = started.and_then(|start| {
+            let peak = self.probe.peak_since_start()?;
+            Ok(Measured { peak: peak.saturating_sub(self.baseline), held_at_start: start.saturating_sub(self.baseline) })
+        });
+        (output, measured)
     }
 }

@@ -129,6 +129,18 @@ impl Runs {
         }
     }
 
+    /// Options for a UNet run in a session that captures CUDA graphs: `gpu_graph_id` names the
+    /// graph to capture or replay, -1 runs without one. Never shrinking: a captured graph keeps
+    /// the addresses of its arena's regions.
+    pub(crate) fn for_graph(&self, id: i32) -> Result<Arc<RunOptions>, RenderError> {
+        let err = RenderError::runtime(Stage::Unet);
+        let mut options = RunOptions::new().map_err(err)?;
+        options.set("gpu_graph_id", id.to_string()).map_err(err)?;
+        let options = Arc::new(options);
+        self.handle.attach(&options).map_err(err)?;
+        Ok(options)
+    }
+
     /// [`RenderError::Terminated`] once the handle is cancelled.
     pub(crate) fn check(&self, stage: Stage) -> Result<(), RenderError> {
         if self.handle.is_cancelled() { Err(RenderError::Terminated { stage }) } else { Ok(()) }

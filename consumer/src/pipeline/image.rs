@@ -76,6 +76,9 @@ pub fn encode_png(rgb: &[u8], meta: &ImageMeta<'_>) -> Result<Vec<u8>, png::Enco
         let mut encoder = png::Encoder::new(&mut out, meta.width, meta.height);
         encoder.set_color(png::ColorType::Rgb);
         encoder.set_depth(png::BitDepth::Eight);
+        // fdeflate's PNG-tuned level: several times faster than the default (Balanced) for files
+        // a little larger, and the encoding runs on the render's thread between GPU stages.
+        encoder.set_compression(png::Compression::Fast);
         for (key, text) in meta.entries() {
             if text.chars().all(|c| u32::from(c) <= 0xFF) {
                 encoder.add_text_chunk(key.to_owned(), text)?;

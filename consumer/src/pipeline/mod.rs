@@ -66,8 +66,35 @@ pub enum Device {
     #[default]
     Cpu,
     /// CUDA execution provider (needs the `cuda` feature). `mem_limit_bytes` caps ONNX Runtime's
-    /// arena on that GPU (`gpu_mem_limit`): the worker's budget.
-    Cuda { gpu: u32, mem_limit_bytes: Option<u64> },
+    /// arena on that GPU (`gpu_mem_limit`, per session): the worker's budget.
+    Cuda { gpu: u32, mem_limit_bytes: Option<u64>, tuning: CudaTuning },
+}
+
+/// The CUDA provider's speed options (`[cuda]` in the worker's config). Defaults are ONNX
+/// Runtime's own; what each is worth on an H200 is in deploy/gpu/RESULTS.md.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct CudaTuning {
+    /// How cuDNN picks convolution algorithms.
+    pub conv_algo_search: ConvSearch,
+    /// Fuse a convolution's bias (and activation) into the cuDNN call.
+    pub fuse_conv_bias: bool,
+    /// Replay the UNet as a CUDA graph: captured on the first call of each latent shape, into
+    /// fixed device buffers that later calls of that shape reuse (see `unet::GraphBuffers`).
+    pub graph: bool,
+}
+
+/// cuDNN's convolution algorithm search (`cudnn_conv_algo_search`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ConvSearch {
+    /// Benchmark every algorithm on the first call of each shape (ONNX Runtime's default).
+    #[default]
+    Exhaustive,
+    /// cuDNN's own ranking, no benchmarking: a faster first call.
+    Heuristic,
+    /// The fixed default algorithm (slow on SDXL: 4x the UNet time on an H200).
+    Default,
 }
 
 /// How to load a pipeline.
@@ -90,6 +117,17 @@ pub struct PipelineOptions {
     /// The ONNX Runtime library (`libonnxruntime.so.1.31.1`); `ORT_DYLIB_PATH` when `None`.
     /// The first pipeline of a process loads it; later ones share it.
     pub ort_library: Option<PathBuf>,
+    /// Bind the UNet's inputs and output to fixed buffers per latent shape, as CUDA graphs need.
+    /// `[cuda] graph` turns this on with the capture; alone (on the CPU) it runs the same
+    /// buffer plumbing without one, which is how CI tests it.
+    pub fixed_unet_buffers: bool,
+}
+
+impl PipelineOptions {
+    /// Whether the UNet loop binds fixed buffers: asked for, or needed by CUDA graphs.
+    fn fixed_buffers(&self) -> bool {
+        self.fixed_unet_buffers || matches!(self.device, Device::Cuda { tuning, .. } if tuning.graph)
+    }
 }
 
 /// One text-to-image job, or part of one.

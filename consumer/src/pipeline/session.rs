@@ -228,18 +228,29 @@ impl ModelSession {
     /// [`LoadError::MissingFile`], [`LoadError::Session`] when ONNX Runtime refuses the file, or
     /// [`LoadError::Graph`] when an input or output has a type the pipeline cannot feed.
     pub(crate) fn load(env: &Environment, path: &Path, options: &PipelineOptions) -> Result<ModelSession, LoadError> {
+        Self::load_file(env, path, options, false)
+    }
+
+    /// Loads `path` for replay as CUDA graphs where `options` ask for them (`[cuda] graph`):
+    /// every run must then bind fixed device buffers and name its graph (see `unet`).
+    pub(crate) fn load_capturable(env: &Environment, path: &Path, options: &PipelineOptions) -> Result<ModelSession, LoadError> {
+        let graph = matches!(options.device, Device::Cuda { tuning, .. } if tuning.graph);
+        Self::load_file(env, path, options, graph)
+    }
+
+    fn load_file(env: &Environment, path: &Path, options: &PipelineOptions, graph: bool) -> Result<ModelSession, LoadError> {
         if !path.is_file() {
             return Err(LoadError::MissingFile { path: path.to_path_buf() });
         }
-        Self::build(env, path, None, options)
+        Self::build(env, path, None, options, graph)
     }
 
     /// Loads a graph shipped inside the binary (`name` labels it in errors).
     pub(crate) fn load_bytes(env: &Environment, name: &Path, bytes: &[u8], options: &PipelineOptions) -> Result<ModelSession, LoadError> {
-        Self::build(env, name, Some(bytes), options)
+        Self::build(env, name, Some(bytes), options, false)
     }
 
-    fn build(env: &Environment, path: &Path, bytes: Option<&[u8]>, options: &PipelineOptions) -> Result<ModelSession, LoadError> {
+    fn build(env: &Environment, path: &Path, bytes: Option<&[u8]>, options: &PipelineOptions, graph: bool) -> Result<ModelSession, LoadError> {
         let session_err = |source: ort::Error| LoadError::Session { path: path.to_path_buf(), source };
         let mut builder = Session::builder(env)
             .map_err(session_err)?
@@ -257,7 +268,7 @@ impl ModelSession {
             builder = builder.with_env_allocators().map_err(|e| session_err(e.into()))?;
             builder = builder.with_device_allocated_initializers().map_err(|e| session_err(e.into()))?;
         }
-        builder = configure_device(builder, &options.device).map_err(session_err)?;
+        builder = configure_device(builder, &options.device, graph).map_err(session_err)?;
         let session = match bytes {
             Some(bytes) => builder.commit_from_memory(bytes),
             None => builder.commit_from_file(path),
@@ -338,7 +349,11 @@ fn port(path: &Path, name: &str, ty: &ValueType) -> Result<Port, LoadError> {
 }
 
 #[cfg(not(feature = "cuda"))]
-fn configure_device(builder: ort::session::builder::SessionBuilder, device: &Device) -> ort::Result<ort::session::builder::SessionBuilder> {
+fn configure_device(
+    builder: ort::session::builder::SessionBuilder,
+    device: &Device,
+    _graph: bool,
+) -> ort::Result<ort::session::builder::SessionBuilder> {
     match device {
         Device::Cpu => Ok(builder),
         Device::Cuda { .. } => Err(ort::Error::new(
@@ -350,15 +365,31 @@ fn configure_device(builder: ort::session::builder::SessionBuilder, device: &Dev
 /// CUDA, configured as DESIGN.md's "GPU memory" asks: the arena grows only by what is requested
 /// (no power-of-two overshoot eating the budget), is capped at the worker's budget, and weights
 /// live outside it so shrinking the arena after a large job returns activations only.
+/// `graph`: capture CUDA graphs in this session (the UNet's, when `[cuda] graph` is on).
 #[cfg(feature = "cuda")]
-fn configure_device(builder: ort::session::builder::SessionBuilder, device: &Device) -> ort::Result<ort::session::builder::SessionBuilder> {
+fn configure_device(
+    builder: ort::session::builder::SessionBuilder,
+    device: &Device,
+    graph: bool,
+) -> ort::Result<ort::session::builder::SessionBuilder> {
+    use ort::ep::cuda::ConvAlgorithmSearch;
     use ort::ep::{ArenaExtendStrategy, CUDA};
+
+    use super::ConvSearch;
     match device {
         Device::Cpu => Ok(builder),
-        Device::Cuda { gpu, mem_limit_bytes } => {
+        Device::Cuda { gpu, mem_limit_bytes, tuning } => {
+            let search = match tuning.conv_algo_search {
+                ConvSearch::Exhaustive => ConvAlgorithmSearch::Exhaustive,
+                ConvSearch::Heuristic => ConvAlgorithmSearch::Heuristic,
+                ConvSearch::Default => ConvAlgorithmSearch::Default,
+            };
             let mut cuda = CUDA::default()
                 .with_device_id(*gpu as i32)
-                .with_arena_extend_strategy(ArenaExtendStrategy::SameAsRequested);
+                .with_arena_extend_strategy(ArenaExtendStrategy::SameAsRequested)
+                .with_conv_algorithm_search(search)
+                .with_fuse_conv_bias(tuning.fuse_conv_bias)
+                .with_cuda_graph(graph);
             if let Some(limit) = mem_limit_bytes {
                 cuda = cuda.with_memory_limit(*limit as usize);
             }

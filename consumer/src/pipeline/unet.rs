@@ -12,9 +12,12 @@
 
 use std::ops::ControlFlow;
 
+use std::sync::Mutex;
+
 use ort::environment::Environment;
-use ort::memory::{AllocationDevice, AllocatorType, MemoryInfo, MemoryType};
-use ort::value::{DynTensor, DynValue, Tensor};
+use ort::memory::{AllocationDevice, Allocator, AllocatorType, MemoryInfo, MemoryType};
+use ort::session::{IoBinding, RunOptions, Session};
+use ort::value::{DynTensor, DynValue, Tensor, TensorElementType};
 
 use super::control::Runs;
 use super::error::{LoadError, RenderError, Stage};
@@ -36,6 +39,10 @@ pub(crate) struct Unet {
     pub latent_channels: Option<usize>,
     /// Guidance + Euler step on the device, for the UNet's float type.
     steps: StepGraphs,
+    /// Fixed buffers per latent shape when the loop binds them (`PipelineOptions::fixed_unet_buffers`).
+    graphs: Option<Mutex<Vec<GraphBuffers>>>,
+    /// Whether the session captures CUDA graphs on those buffers (`[cuda] graph`).
+    graphs_captured: bool,
 }
 
 /// The guidance batch of one sub-batch: `[negative x n, positive x n]`, as diffusers concatenates
@@ -87,7 +94,7 @@ impl StepGraphs {
 
 impl Unet {
     pub(crate) fn load(env: &Environment, config: &FolderConfig, options: &PipelineOptions) -> Result<Unet, LoadError> {
-        let session = ModelSession::load(env, &config.dir.join(UNET), options)?;
+        let session = ModelSession::load_capturable(env, &config.dir.join(UNET), options)?;
         let sample = session.require_input("sample", Some(4), true)?.clone();
         let timestep = session.input("timestep").cloned().ok_or_else(|| session.graph_err("no input \"timestep\"".into()))?;
         if timestep.rank() > 1 {
@@ -108,7 +115,9 @@ impl Unet {
             .clone();
         let latent_channels = usize::try_from(sample.dims[1]).ok();
         let steps = StepGraphs::load(env, sample.elem, options)?;
-        Ok(Unet { session, sample, timestep, encoder_hidden_states, text_embeds, time_ids, output, latent_channels, steps })
+        let graphs = options.fixed_buffers().then(|| Mutex::new(Vec::new()));
+        let graphs_captured = matches!(options.device, Device::Cuda { tuning, .. } if tuning.graph);
+        Ok(Unet { session, sample, timestep, encoder_hidden_states, text_embeds, time_ids, output, latent_channels, steps, graphs, graphs_captured })
     }
 
     pub(crate) fn arena_stats(&self) -> Option<super::ArenaStats> {
@@ -152,16 +161,9 @@ impl Unet {
         let per_image = c * h * w;
 
         let mut session = self.session.lock();
-        let mut binding = session.create_binding().map_err(err)?;
-        let (device_kind, device_id) = match run.device {
-            Device::Cpu => (AllocationDevice::CPU, 0),
-            Device::Cuda { gpu, .. } => (AllocationDevice::CUDA, *gpu as i32),
-        };
-        let resident = |t: DynTensor| -> ort::Result<DynTensor> {
-            if device_kind == AllocationDevice::CPU { Ok(t) } else { t.to(device_kind.clone(), device_id) }
-        };
+        let place = Place::of(run.device);
 
-        // Conditioning: bound once, resident on the device for all steps.
+        // Conditioning, in the guidance batch's order, on the host.
         if cond.positive.len() != n || cond.negative.as_ref().is_some_and(|neg| neg.len() != n) {
             return Err(RenderError::InvalidRequest(format!("conditioning for {} images, latents for {n}", cond.positive.len())));
         }
@@ -179,17 +181,40 @@ impl Unet {
             }
         }
         let time_ids: Vec<f32> = (0..batch).flat_map(|_| cond.time_ids).collect();
-        let ehs = resident(float_tensor(&self.encoder_hidden_states, &[batch, pos.seq_len, pos.dim], &ehs).map_err(err)?).map_err(err)?;
-        let pooled = resident(float_tensor(&self.text_embeds, &[batch, pos.pooled.len()], &pooled).map_err(err)?).map_err(err)?;
-        let time_ids = resident(float_tensor(&self.time_ids, &[batch, 6], &time_ids).map_err(err)?).map_err(err)?;
-        binding.bind_input(self.encoder_hidden_states.name.as_str(), &ehs).map_err(err)?;
-        binding.bind_input(self.text_embeds.name.as_str(), &pooled).map_err(err)?;
-        binding.bind_input(self.time_ids.name.as_str(), &time_ids).map_err(err)?;
-        if !run.host_steps && run.schedule.device_step_params(0, run.guidance).is_some() {
-            let device = MemoryInfo::new(device_kind.clone(), device_id, AllocatorType::Device, MemoryType::Default).map_err(err)?;
-            let graph = if guided { &self.steps.guided } else { &self.steps.plain };
-            let to_device = |t: DynTensor| -> Result<DynValue, RenderError> { Ok(resident(t).map_err(err)?.into_dyn()) };
-            return self.steps_on_device(&mut session, &mut binding, graph, run, &device, to_device, latents, on_step);
+        let conditioning = [
+            float_tensor(&self.encoder_hidden_states, &[batch, pos.seq_len, pos.dim], &ehs).map_err(err)?,
+            float_tensor(&self.text_embeds, &[batch, pos.pooled.len()], &pooled).map_err(err)?,
+            float_tensor(&self.time_ids, &[batch, 6], &time_ids).map_err(err)?,
+        ];
+
+        let device_steps = !run.host_steps && run.schedule.device_step_params(0, run.guidance).is_some();
+        let step_graph = if guided { &self.steps.guided } else { &self.steps.plain };
+        // A session that captures CUDA graphs runs every call under a graph id: the fixed
+        // buffers' own where this shape has them, -1 (no graph) for everything else.
+        let mut uncaptured = None;
+        if let Some(graphs) = &self.graphs {
+            if device_steps && run.schedule.len() >= MIN_STEPS_TO_CAPTURE {
+                let key = GraphKey { batch, c, h, w, seq_len: pos.seq_len, dim: pos.dim, pooled: pos.pooled.len() };
+                let mut graphs = graphs.lock().unwrap_or_else(|p| p.into_inner());
+                if let Some(buffers) = self.graph_buffers(&mut graphs, key, &session, &place).map_err(err)? {
+                    return self.steps_captured(&mut session, buffers, step_graph, run, &conditioning, latents, on_step);
+                }
+            }
+            uncaptured = Some(run.runs.for_graph(-1)?);
+        }
+        let options = |is_last: bool| match &uncaptured {
+            Some(options) => options.as_ref(),
+            None => run.runs.last(run.shrink_arena && is_last),
+        };
+
+        // Conditioning: bound once, resident on the device for all steps.
+        let mut binding = session.create_binding().map_err(err)?;
+        let [ehs, pooled, time_ids] = conditioning;
+        binding.bind_input(self.encoder_hidden_states.name.as_str(), &place.resident(ehs).map_err(err)?).map_err(err)?;
+        binding.bind_input(self.text_embeds.name.as_str(), &place.resident(pooled).map_err(err)?).map_err(err)?;
+        binding.bind_input(self.time_ids.name.as_str(), &place.resident(time_ids).map_err(err)?).map_err(err)?;
+        if device_steps {
+            return self.steps_on_device(&mut session, &mut binding, step_graph, run, &place, &options, latents, on_step);
         }
 
         // The noise prediction comes back to host memory for the step.
@@ -211,8 +236,7 @@ impl Unet {
             binding.bind_output_to_device(self.output.as_str(), &host).map_err(err)?;
 
             run.runs.check(Stage::Unet)?;
-            let options = run.runs.last(run.shrink_arena && i + 1 == steps);
-            let outputs = session.run_binding_with_options(&binding, options).map_err(err)?;
+            let outputs = session.run_binding_with_options(&binding, options(i + 1 == steps)).map_err(err)?;
             let (shape, out) = extract_f32(&outputs[0]).map_err(|detail| RenderError::Output { stage: Stage::Unet, detail })?;
             if shape != [batch, c, h, w] {
                 return Err(RenderError::Output {
@@ -232,9 +256,8 @@ impl Unet {
             }
             run.schedule.step(i, &noise_pred, latents);
             on_latents(i, latents);
-            let progress = StepProgress { step: i as u32 + 1, steps: steps as u32, images: n as u32, images_done: 0 };
-            if on_step(progress).is_break() {
-                return Err(RenderError::Cancelled { steps_done: i as u32 + 1 });
+            if let Some(stop) = progress(run, i, n, on_step) {
+                return Err(stop);
             }
         }
         Ok(())
@@ -243,64 +266,273 @@ impl Unet {
     /// The loop with the latents resident on the device: each UNet call's output feeds the step
     /// graph, whose outputs are the next call's sample and the new latents.
     #[allow(clippy::too_many_arguments)]
-    fn steps_on_device(
+    fn steps_on_device<'o>(
         &self,
-        session: &mut ort::session::Session,
-        binding: &mut ort::session::IoBinding,
+        session: &mut Session,
+        binding: &mut IoBinding,
         graph: &ModelSession,
         run: &Denoise<'_>,
-        device: &MemoryInfo,
-        to_device: impl Fn(DynTensor) -> Result<DynValue, RenderError>,
+        place: &Place,
+        options: &dyn Fn(bool) -> &'o RunOptions,
         latents: &mut [f32],
         on_step: &mut dyn FnMut(StepProgress) -> ControlFlow<()>,
     ) -> Result<(), RenderError> {
         let err = run.runs.err(Stage::Unet);
         let [n, c, h, w] = run.latent_shape;
-        let per_image = c * h * w;
-        let batch = if std::ptr::eq(graph, &self.steps.guided) { 2 * n } else { n };
-        let mut first = vec![0.0f32; batch * per_image];
-        for copy in first.chunks_exact_mut(n * per_image) {
-            run.schedule.scale_model_input(0, latents, copy);
-        }
-        let mut sample = to_device(float_tensor(&self.sample, &[batch, c, h, w], &first).map_err(err)?)?;
-        let mut current = to_device(Tensor::from_array((vec![n, c, h, w], latents.to_vec())).map_err(err)?.upcast())?;
+        let batch = self.batch_of(graph, n);
+        let device = place.memory().map_err(err)?;
+        let mut sample = place.resident(self.first_sample(run, batch, latents)?).map_err(err)?.into_dyn();
+        let mut current = place.resident(Tensor::from_array((vec![n, c, h, w], latents.to_vec())).map_err(err)?.upcast()).map_err(err)?.into_dyn();
         let mut step_session = graph.lock();
         let mut step_binding = step_session.create_binding().map_err(err)?;
         let steps = run.schedule.len();
-        let missing = |name: &str| RenderError::Output { stage: Stage::Unet, detail: format!("no output \"{name}\"") };
         for i in 0..steps {
             let timestep = timestep_tensor(&self.timestep, run.schedule.timesteps[i], batch).map_err(err)?;
             binding.bind_input(self.sample.name.as_str(), &sample).map_err(err)?;
             binding.bind_input(self.timestep.name.as_str(), &timestep).map_err(err)?;
-            binding.bind_output_to_device(self.output.as_str(), device).map_err(err)?;
+            binding.bind_output_to_device(self.output.as_str(), &device).map_err(err)?;
             run.runs.check(Stage::Unet)?;
-            let options = run.runs.last(run.shrink_arena && i + 1 == steps);
-            let mut outputs = session.run_binding_with_options(binding, options).map_err(err)?;
+            let mut outputs = session.run_binding_with_options(binding, options(i + 1 == steps)).map_err(err)?;
             let noise = outputs.remove(self.output.as_str()).ok_or_else(|| missing(&self.output))?;
             drop(outputs);
 
-            let params = run.schedule.device_step_params(i, run.guidance).expect("checked before the loop");
-            let params = Tensor::from_array((vec![4usize], params.to_vec())).map_err(err)?;
             step_binding.bind_input("noise_pred", &noise).map_err(err)?;
-            step_binding.bind_input("latents", &current).map_err(err)?;
-            step_binding.bind_input("params", &params).map_err(err)?;
-            step_binding.bind_output_to_device("latents_next", device).map_err(err)?;
-            step_binding.bind_output_to_device("sample_next", device).map_err(err)?;
-            let mut stepped = step_session.run_binding(&step_binding).map_err(err)?;
+            step_binding.bind_output_to_device("sample_next", &device).map_err(err)?;
+            let mut stepped = self.step(&mut step_session, &mut step_binding, run, i, &current, &device)?;
             current = stepped.remove("latents_next").ok_or_else(|| missing("latents_next"))?;
             sample = stepped.remove("sample_next").ok_or_else(|| missing("sample_next"))?;
             drop(stepped);
-
-            let progress = StepProgress { step: i as u32 + 1, steps: steps as u32, images: n as u32, images_done: 0 };
-            if on_step(progress).is_break() {
-                return Err(RenderError::Cancelled { steps_done: i as u32 + 1 });
+            if let Some(stop) = progress(run, i, n, on_step) {
+                return Err(stop);
             }
         }
-        // Back to the host for the VAE (a no-op copy on the CPU provider).
-        let current: Tensor<f32> = current.downcast().map_err(err)?;
-        let host_side = current.to(AllocationDevice::CPU, 0).map_err(err)?;
-        let (_, data) = host_side.extract_tensor();
-        latents.copy_from_slice(data);
-        Ok(())
+        read_back(run, current, latents)
     }
+
+    /// The loop on one shape's fixed buffers, replaying the CUDA graph captured on the shape's
+    /// first call (on the CPU, or with `[cuda] graph` off, the same loop without a graph). Each
+    /// step copies only the timestep in; the step graph writes the next sample into the buffer
+    /// the UNet reads.
+    #[allow(clippy::too_many_arguments)]
+    fn steps_captured(
+        &self,
+        session: &mut Session,
+        buffers: &mut GraphBuffers,
+        graph: &ModelSession,
+        run: &Denoise<'_>,
+        conditioning: &[DynTensor; 3],
+        latents: &mut [f32],
+        on_step: &mut dyn FnMut(StepProgress) -> ControlFlow<()>,
+    ) -> Result<(), RenderError> {
+        let err = run.runs.err(Stage::Unet);
+        let [n, c, h, w] = run.latent_shape;
+        let batch = self.batch_of(graph, n);
+        let [ehs, pooled, time_ids] = conditioning;
+        ehs.copy_into(&mut buffers.encoder_hidden_states).map_err(err)?;
+        pooled.copy_into(&mut buffers.text_embeds).map_err(err)?;
+        time_ids.copy_into(&mut buffers.time_ids).map_err(err)?;
+        self.first_sample(run, batch, latents)?.copy_into(&mut buffers.sample).map_err(err)?;
+
+        let mut binding = session.create_binding().map_err(err)?;
+        binding.bind_input(self.encoder_hidden_states.name.as_str(), &buffers.encoder_hidden_states).map_err(err)?;
+        binding.bind_input(self.text_embeds.name.as_str(), &buffers.text_embeds).map_err(err)?;
+        binding.bind_input(self.time_ids.name.as_str(), &buffers.time_ids).map_err(err)?;
+        binding.bind_input(self.sample.name.as_str(), &buffers.sample).map_err(err)?;
+        binding.bind_input(self.timestep.name.as_str(), &buffers.timestep).map_err(err)?;
+        binding.bind_output(self.output.as_str(), &mut buffers.noise).map_err(err)?;
+        let options = if self.graphs_captured { Some(run.runs.for_graph(buffers.id)?) } else { None };
+
+        let device = buffers.place.memory().map_err(err)?;
+        let mut current = buffers.place.resident(Tensor::from_array((vec![n, c, h, w], latents.to_vec())).map_err(err)?.upcast()).map_err(err)?.into_dyn();
+        let mut step_session = graph.lock();
+        let mut step_binding = step_session.create_binding().map_err(err)?;
+        step_binding.bind_input("noise_pred", &buffers.noise).map_err(err)?;
+        step_binding.bind_output("sample_next", &mut buffers.sample).map_err(err)?;
+        let steps = run.schedule.len();
+        for i in 0..steps {
+            timestep_tensor(&self.timestep, run.schedule.timesteps[i], batch).map_err(err)?.copy_into(&mut buffers.timestep).map_err(err)?;
+            run.runs.check(Stage::Unet)?;
+            let options = options.as_deref().unwrap_or_else(|| run.runs.plain());
+            drop(session.run_binding_with_options(&binding, options).map_err(err)?);
+            let mut stepped = self.step(&mut step_session, &mut step_binding, run, i, &current, &device)?;
+            current = stepped.remove("latents_next").ok_or_else(|| missing("latents_next"))?;
+            drop(stepped);
+            if let Some(stop) = progress(run, i, n, on_step) {
+                return Err(stop);
+            }
+        }
+        read_back(run, current, latents)
+    }
+
+    /// One guidance + Euler step on the device; `step_binding` has `noise_pred` and
+    /// `sample_next` bound. Returns the step graph's outputs (`latents_next`, and
+    /// `sample_next` unless it is bound to a buffer).
+    fn step<'b>(
+        &self,
+        step_session: &'b mut Session,
+        step_binding: &'b mut IoBinding,
+        run: &Denoise<'_>,
+        i: usize,
+        current: &DynValue,
+        device: &MemoryInfo,
+    ) -> Result<ort::session::SessionOutputs<'b>, RenderError> {
+        let err = run.runs.err(Stage::Unet);
+        let params = run.schedule.device_step_params(i, run.guidance).expect("checked before the loop");
+        let params = Tensor::from_array((vec![4usize], params.to_vec())).map_err(err)?;
+        step_binding.bind_input("latents", current).map_err(err)?;
+        step_binding.bind_input("params", &params).map_err(err)?;
+        step_binding.bind_output_to_device("latents_next", device).map_err(err)?;
+        step_session.run_binding(step_binding).map_err(err)
+    }
+
+    /// The UNet batch for `n` images: doubled when `graph` is the guided step.
+    fn batch_of(&self, graph: &ModelSession, n: usize) -> usize {
+        if std::ptr::eq(graph, &self.steps.guided) { 2 * n } else { n }
+    }
+
+    /// The first call's sample: the latents scaled for step 0, once per guidance half.
+    fn first_sample(&self, run: &Denoise<'_>, batch: usize, latents: &[f32]) -> Result<DynTensor, RenderError> {
+        let [n, c, h, w] = run.latent_shape;
+        let mut first = vec![0.0f32; batch * c * h * w];
+        for copy in first.chunks_exact_mut(n * c * h * w) {
+            run.schedule.scale_model_input(0, latents, copy);
+        }
+        float_tensor(&self.sample, &[batch, c, h, w], &first).map_err(run.runs.err(Stage::Unet))
+    }
+
+    /// The fixed buffers for `key`, made on its first use; `None` once [`MAX_GRAPHS`] shapes
+    /// have theirs (a captured graph cannot be given back, so later shapes run uncaptured).
+    fn graph_buffers<'g>(
+        &self,
+        graphs: &'g mut Vec<GraphBuffers>,
+        key: GraphKey,
+        session: &Session,
+        place: &Place,
+    ) -> ort::Result<Option<&'g mut GraphBuffers>> {
+        if let Some(k) = graphs.iter().position(|g| g.key == key) {
+            return Ok(Some(&mut graphs[k]));
+        }
+        if graphs.len() == MAX_GRAPHS {
+            return Ok(None);
+        }
+        let allocator = place.allocator(session)?;
+        let tensor = |port: &Port, shape: &[usize]| -> ort::Result<DynTensor> {
+            let elem = match port.elem {
+                Elem::F16 => TensorElementType::Float16,
+                Elem::F32 => TensorElementType::Float32,
+                Elem::I32 => TensorElementType::Int32,
+                Elem::I64 => TensorElementType::Int64,
+            };
+            DynTensor::new(&allocator, elem, shape.to_vec())
+        };
+        let GraphKey { batch, c, h, w, seq_len, dim, pooled } = key;
+        let timestep_shape: Vec<usize> = if self.timestep.rank() == 0 { vec![] } else { vec![batch] };
+        let noise_port = Port { name: self.output.clone(), elem: self.sample.elem, dims: Vec::new() };
+        let buffers = GraphBuffers {
+            key,
+            id: graphs.len() as i32,
+            sample: tensor(&self.sample, &[batch, c, h, w])?,
+            timestep: tensor(&self.timestep, &timestep_shape)?,
+            encoder_hidden_states: tensor(&self.encoder_hidden_states, &[batch, seq_len, dim])?,
+            text_embeds: tensor(&self.text_embeds, &[batch, pooled])?,
+            time_ids: tensor(&self.time_ids, &[batch, 6])?,
+            noise: tensor(&noise_port, &[batch, c, h, w])?,
+            place: place.clone(),
+            _allocator: allocator,
+        };
+        graphs.push(buffers);
+        Ok(graphs.last_mut())
+    }
+}
+
+/// Renders shorter than this run uncaptured: probe renders (2 steps) and the 1-step render that
+/// shrinks the arenas would pay a capture and take a graph slot for a shape jobs may never ask.
+const MIN_STEPS_TO_CAPTURE: usize = 3;
+
+/// Latent shapes that get their own captured graph (each graph keeps its fixed buffers, a few
+/// MiB); a fleet serves a handful of sizes.
+const MAX_GRAPHS: usize = 8;
+
+/// What fixes a UNet call's buffers: the guidance batch, the latent, the conditioning.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct GraphKey {
+    batch: usize,
+    c: usize,
+    h: usize,
+    w: usize,
+    seq_len: usize,
+    dim: usize,
+    pooled: usize,
+}
+
+/// One shape's inputs and output at fixed addresses: a CUDA graph replays the addresses of its
+/// capture, so every call of the shape binds these and only their contents change.
+struct GraphBuffers {
+    key: GraphKey,
+    /// `gpu_graph_id` of this shape's graph.
+    id: i32,
+    sample: DynTensor,
+    timestep: DynTensor,
+    encoder_hidden_states: DynTensor,
+    text_embeds: DynTensor,
+    time_ids: DynTensor,
+    noise: DynTensor,
+    place: Place,
+    /// Declared last: dropped after the tensors it allocated.
+    _allocator: Allocator,
+}
+
+/// The device a render's tensors live on.
+#[derive(Debug, Clone)]
+struct Place {
+    device: AllocationDevice<'static>,
+    id: i32,
+}
+
+impl Place {
+    fn of(device: &Device) -> Place {
+        match device {
+            Device::Cpu => Place { device: AllocationDevice::CPU, id: 0 },
+            Device::Cuda { gpu, .. } => Place { device: AllocationDevice::CUDA, id: *gpu as i32 },
+        }
+    }
+
+    fn is_host(&self) -> bool {
+        self.device == AllocationDevice::CPU
+    }
+
+    /// `t` copied to the device (itself on the CPU).
+    fn resident<T: ort::value::DefiniteTensorValueTypeMarker + ?Sized>(&self, t: ort::value::Value<T>) -> ort::Result<ort::value::Value<T>> {
+        if self.is_host() { Ok(t) } else { t.to(self.device.clone(), self.id) }
+    }
+
+    fn memory(&self) -> ort::Result<MemoryInfo<'static>> {
+        MemoryInfo::new(self.device.clone(), self.id, AllocatorType::Device, MemoryType::Default)
+    }
+
+    /// The session's allocator on this device (the CPU's default one on the host).
+    fn allocator(&self, session: &Session) -> ort::Result<Allocator> {
+        if self.is_host() { Ok(Allocator::default()) } else { Allocator::new(session, self.memory()?) }
+    }
+}
+
+fn missing(name: &str) -> RenderError {
+    RenderError::Output { stage: Stage::Unet, detail: format!("no output \"{name}\"") }
+}
+
+/// Reports step `i` done; the error to return when `on_step` stops the loop.
+fn progress(run: &Denoise<'_>, i: usize, n: usize, on_step: &mut dyn FnMut(StepProgress) -> ControlFlow<()>) -> Option<RenderError> {
+    let steps = run.schedule.len() as u32;
+    let progress = StepProgress { step: i as u32 + 1, steps, images: n as u32, images_done: 0 };
+    on_step(progress).is_break().then_some(RenderError::Cancelled { steps_done: i as u32 + 1 })
+}
+
+/// The final latents back to the host for the VAE (a no-op copy on the CPU provider).
+fn read_back(run: &Denoise<'_>, current: DynValue, latents: &mut [f32]) -> Result<(), RenderError> {
+    let err = run.runs.err(Stage::Unet);
+    let current: Tensor<f32> = current.downcast().map_err(err)?;
+    let host_side = current.to(AllocationDevice::CPU, 0).map_err(err)?;
+    let (_, data) = host_side.extract_tensor();
+    latents.copy_from_slice(data);
+    Ok(())
 }

@@ -173,10 +173,12 @@ pub fn gpu_utilization(ratio: f64) {
 }
 
 /// Records how far a job's memory estimate was from its observed peak. Ignored without an estimate.
-pub fn estimate_error(estimated_bytes: u64, observed_bytes: u64) {
+/// `cold`: the render started from shrunk arenas, so the peak is its own; a warm start's peak
+/// also counts what earlier renders left cached (an upper bound).
+pub fn estimate_error(estimated_bytes: u64, observed_bytes: u64, cold: bool) {
     if estimated_bytes > 0 {
         let ratio = (observed_bytes as f64 - estimated_bytes as f64) / estimated_bytes as f64;
-        histogram!(ESTIMATE_ERROR_RATIO).record(ratio);
+        histogram!(ESTIMATE_ERROR_RATIO, "start" => if cold { "cold" } else { "warm" }).record(ratio);
     }
 }
 

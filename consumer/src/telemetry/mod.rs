@@ -29,7 +29,7 @@
 //! | `shotfleet_gpu_memory_used_bytes` | gauge | | memory in use on the card (NVML), other processes included |
 //! | `shotfleet_gpu_memory_total_bytes` | gauge | | memory on the card |
 //! | `shotfleet_gpu_utilization_ratio` | gauge | | busy fraction, 0..1 |
-//! | `shotfleet_estimate_error_ratio` | histogram | | (observed - estimated) / estimated peak memory per job; mass above 0 means the estimate runs low and out-of-memory naks follow |
+//! | `shotfleet_estimate_error_ratio` | histogram | `start` | (observed - estimated) / estimated peak memory per job (at `concurrency = 1`); `start="cold"`: the render began from shrunk arenas and the peak is its own, mass above 0 means the estimate runs low; `start="warm"`: the peak includes what earlier renders left cached, an upper bound |
 //! | `shotfleet_in_flight_jobs` | gauge | | jobs fetched and not yet settled |
 //!
 //! Useful queries: `sum by (outcome) (rate(shotfleet_jobs_total[5m]))`;

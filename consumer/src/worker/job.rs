@@ -13,7 +13,7 @@ use shotfleet_schema::subject::SubjectClass;
 use shotfleet_schema::{ImageRef, ResultStatus, ShotJob, ShotResult, Timing};
 use tracing::{info, warn};
 
-use crate::budget::Reservation;
+use crate::budget::{MIB, Measured, Reservation, Shape};
 use crate::faults::{self, CrashPoint};
 use crate::failure::{classify_render, ErrorKind};
 use crate::pipeline::{CancelHandle, RenderControl, RenderError, RenderOutput, RenderRequest, RenderedImage, Stage, VaeDecode};
@@ -373,12 +373,8 @@ async fn render(
         Ok(pair) => pair,
         Err(e) => return Err(RenderFailure::Error(RenderError::InvalidRequest(format!("render task failed: {e}")))),
     };
-    if let (Ok(_), Some(peak)) = (&result, peak) {
-        let shape = reservation.shape();
-        let planned = shared.budget.planned(shape.width, shape.height, shape.images);
-        let error = shared.budget.observe(shape.width, shape.height, shape.images, peak);
-        telemetry::estimate_error(planned, peak);
-        tracing::debug!(job = %job.job_id, peak, planned, error, "observed peak");
+    if let (Ok(_), Some(measured)) = (&result, peak) {
+        learn(shared, job, reservation.shape(), measured);
     }
     drop(reservation);
     match result {
@@ -389,6 +385,28 @@ async fn render(
         Err(RenderError::Cancelled { .. } | RenderError::Terminated { .. }) => Err(RenderFailure::Shutdown),
         Err(e) => Err(RenderFailure::Error(e)),
     }
+}
+
+/// Learns from a render's measured peak where it is the render's own: one that started from
+/// arenas an earlier, larger render left full reads their cache too, which says nothing about
+/// this shape (and would plan every later job at the largest size seen).
+fn learn(shared: &Shared, job: &ShotJob, shape: Shape, measured: Measured) {
+    let planned = shared.budget.planned(shape.width, shape.height, shape.images);
+    let cold = measured.cold();
+    telemetry::estimate_error(planned, measured.peak, cold);
+    let error = cold.then(|| shared.budget.observe(shape.width, shape.height, shape.images, measured.peak));
+    info!(
+        job = %job.job_id,
+        width = shape.width,
+        height = shape.height,
+        images = shape.images,
+        peak_mib = measured.peak / MIB,
+        held_at_start_mib = measured.held_at_start / MIB,
+        planned_mib = planned / MIB,
+        error,
+        cold,
+        "observed peak"
+    );
 }
 
 /// What the pipeline renders for a job: all its images, `max_batch` per UNet sub-batch.

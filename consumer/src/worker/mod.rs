@@ -13,6 +13,7 @@
 //! - [`delivery`]: a fetched message and its acks.
 
 pub mod advisory;
+pub mod check;
 pub mod commit;
 pub mod degrade;
 pub mod delivery;

@@ -79,15 +79,17 @@ pub async fn prepare(config: &WorkerConfig) -> Result<Ready, WorkerError> {
 /// served class is planned to need.
 fn log_budget(budget: &Budget, classes: &[shotfleet_schema::MemoryClass]) {
     let Ok(status) = budget.status() else { return };
-    let (a, b) = budget.estimate().coefficients();
+    let terms = budget.estimate().coefficients();
     info!(
         device = %status.device,
         total_mib = status.total / budget::MIB,
         used_mib = status.used / budget::MIB,
         resident_mib = status.resident / budget::MIB,
         budget_mib = status.budget / budget::MIB,
-        fixed_mib = a / budget::MIB as f64,
-        bytes_per_latent_pixel = b,
+        fixed_mib = terms.fixed / budget::MIB as f64,
+        bytes_per_unit = terms.per_unit,
+        bytes_per_image_latent_pixel = terms.per_pixel,
+        bytes_per_image_latent_pixel_sq = terms.per_pixel_sq,
         "budget"
     );
     for class in classes {
@@ -104,7 +106,12 @@ fn pipeline_options(config: &WorkerConfig, total: u64, free: u64) -> PipelineOpt
         DeviceKind::Cuda => {
             let b = &config.budget;
             let cap = ((total as f64 * b.max_fill) as u64).min(free.saturating_sub(b.margin_mib * budget::MIB));
-            Device::Cuda { gpu: config.gpu, mem_limit_bytes: Some(cap.saturating_sub(b.reserve_mib * budget::MIB)) }
+            let mut limit = cap.saturating_sub(b.reserve_mib * budget::MIB);
+            if let Some(mib) = config.faults.arena_limit_mib {
+                tracing::warn!(arena_limit_mib = mib, budget_cap_mib = limit / budget::MIB, "fault injection: the CUDA arena is capped below what the budget plans with");
+                limit = limit.min(mib * budget::MIB);
+            }
+            Device::Cuda { gpu: config.gpu, mem_limit_bytes: Some(limit), tuning: config.cuda }
         }
     };
     PipelineOptions {
@@ -115,8 +122,10 @@ fn pipeline_options(config: &WorkerConfig, total: u64, free: u64) -> PipelineOpt
     }
 }
 
-/// One probe render of `shape`, returning its peak memory above the models.
-async fn measure(pipeline: &Arc<Pipeline>, meter: &Arc<PeakMeter>, shape: Shape, steps: u32) -> Result<u64, WorkerError> {
+/// One probe render of `shape`, returning its peak memory above the models. The render shrinks
+/// the arenas at its end, so the next probe starts from the models alone and its peak is its
+/// own (an arena holding a smaller probe's regions would add them to a larger one's).
+pub(crate) async fn measure(pipeline: &Arc<Pipeline>, meter: &Arc<PeakMeter>, shape: Shape, steps: u32) -> Result<u64, WorkerError> {
     let pipeline = pipeline.clone();
     let meter = meter.clone();
     let request = RenderRequest {
@@ -131,10 +140,13 @@ async fn measure(pipeline: &Arc<Pipeline>, meter: &Arc<PeakMeter>, shape: Shape,
         max_batch: shape.images as usize,
     };
     let what = format!("render a {}x{}x{} probe", shape.width, shape.height, shape.images);
-    let (rendered, peak) =
-        blocking(move || meter.measure(|| pipeline.render(&request, &mut |_| std::ops::ControlFlow::Continue(())))).await?;
+    let (rendered, measured) = blocking(move || {
+        pipeline.request_arena_shrink();
+        meter.measure(|| pipeline.render(&request, &mut |_| std::ops::ControlFlow::Continue(())))
+    })
+    .await?;
     rendered.map_err(|e| WorkerError::start(&what, e))?;
-    peak.map_err(|e| WorkerError::start("measure a probe render", e))
+    Ok(measured.map_err(|e| WorkerError::start("measure a probe render", e))?.peak)
 }
 
 /// Runs blocking work (ONNX Runtime) off the async threads.

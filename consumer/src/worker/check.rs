@@ -1,0 +1,96 @@
+//! `shotfleet-consumer --check-budget`: does the budget's memory model hold on this card?
+//!
+//! Loads and calibrates as a worker starts, then renders each listed shape from arenas shrunk
+//! back to the models and compares its peak with what the budget predicts for it. No NATS, no
+//! store: an operator runs it on a new card, model or runtime before the worker serves.
+
+use shotfleet_schema::Limits;
+
+use crate::budget::{MIB, Shape};
+use crate::config::WorkerConfig;
+use crate::worker::WorkerError;
+use crate::worker::startup::{self, Ready};
+
+/// One checked shape.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct CheckedShape {
+    pub width: u32,
+    pub height: u32,
+    pub images: u32,
+    /// The estimate's need, before the safety margin.
+    pub predicted_mib: f64,
+    /// What admission reserves: the need plus `[budget] safety`.
+    pub planned_mib: f64,
+    pub observed_mib: f64,
+    /// `(observed - predicted) / predicted`: above 0 the estimate ran low.
+    pub error: f64,
+}
+
+/// Parses `512x512x1,1536x1536x4`: width x height x images, each size a multiple of 8 (the
+/// VAE's factor) within the job limits.
+///
+/// # Errors
+/// A message naming the item that is not a shape.
+pub fn parse_shapes(text: &str, limits: &Limits) -> Result<Vec<Shape>, String> {
+    let shapes: Vec<Shape> = text
+        .split(',')
+        .map(str::trim)
+        .filter(|item| !item.is_empty())
+        .map(|item| {
+            let bad = |why: &str| format!("`{item}` {why}; write WIDTHxHEIGHTxIMAGES, e.g. 1024x1024x2");
+            let parts: Vec<u32> = item.split('x').map(|p| p.trim().parse::<u32>()).collect::<Result<_, _>>().map_err(|_| bad("is not a shape"))?;
+            let [width, height, images] = parts[..] else { return Err(bad("is not three numbers")) };
+            if width == 0 || height == 0 || width % 8 != 0 || height % 8 != 0 {
+                return Err(bad("has a side that is not a positive multiple of 8"));
+            }
+            if width.max(height) > limits.max_side || images == 0 || images > limits.max_images {
+                return Err(bad(&format!("is outside the job limits (sides up to {}, 1 to {} images)", limits.max_side, limits.max_images)));
+            }
+            Ok(Shape::new(width, height, images))
+        })
+        .collect::<Result<_, _>>()?;
+    if shapes.is_empty() {
+        return Err("no shapes given; write e.g. 512x512x1,1024x1024x2".into());
+    }
+    Ok(shapes)
+}
+
+/// Starts as the worker would (load, calibrate, fitness render), then measures every shape.
+///
+/// # Errors
+/// [`WorkerError::Start`] when start-up or a check render fails (out of memory included).
+pub async fn check_budget(config: &WorkerConfig, shapes: &[Shape]) -> Result<(Ready, Vec<CheckedShape>), WorkerError> {
+    let ready = startup::prepare(config).await?;
+    let mut checked = Vec::with_capacity(shapes.len());
+    for &shape in shapes {
+        let observed = startup::measure(&ready.pipeline, &ready.meter, shape, config.calibration.steps).await? as f64;
+        let predicted = ready.budget.estimate().need(shape) as f64;
+        let planned = ready.budget.planned(shape.width, shape.height, shape.images) as f64;
+        let mib = MIB as f64;
+        checked.push(CheckedShape {
+            width: shape.width,
+            height: shape.height,
+            images: shape.images,
+            predicted_mib: predicted / mib,
+            planned_mib: planned / mib,
+            observed_mib: observed / mib,
+            error: (observed - predicted) / predicted.max(1.0),
+        });
+    }
+    Ok((ready, checked))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shapes_parse_and_bad_ones_are_named() {
+        let limits = Limits::default();
+        assert_eq!(parse_shapes("512x512x1, 1152x896x3", &limits).unwrap(), vec![Shape::new(512, 512, 1), Shape::new(1152, 896, 3)]);
+        for (text, says) in [("512x512", "three numbers"), ("512x500x1", "multiple of 8"), ("axbxc", "not a shape"), ("", "no shapes"), ("512x512x0", "job limits")] {
+            let err = parse_shapes(text, &limits).unwrap_err();
+            assert!(err.contains(says), "{text:?}: {err}");
+        }
+    }
+}
