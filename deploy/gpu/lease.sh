@@ -11,18 +11,24 @@
 #   export          random-weight SDXL-base: text encoders (fp16) and VAE decoder (fp32, force_upcast)
 #                   into /root/sdxl and the fp32 UNet into /root/sdxl-fp32, two processes side by side
 #   optimize-start  numpy 2.2.6 from .gpu/np into /root/np; then, in the background (setsid: it outlives
-#                   the call), ORT's fused optimizer fp32 UNet -> /root/sdxl/unet (fp16), and the plain
-#                   fp16 conversion -> /root/sdxl-unfused (UNFUSED=0 skips it); both use the CPU only
+#                   the call), ORT's fused optimizer fp32 UNet -> /root/sdxl/unet (fp16), and with
+#                   UNFUSED=1 the plain fp16 conversion -> /root/sdxl-unfused (unet's reference); CPU only
 #   diffusers       onnx/bench_diffusers.py, eager then compiled -> diffusers.json
+#   diffusers-compiled  the same, compiled cells only -> diffusers.json
+#   diffusers-eager     the same, eager cells only -> diffusers-eager.json (report.py prefers its eager
+#                   cells: run it when nothing else runs, i.e. after optimize-wait)
 #   optimize-wait   waits for the background jobs of optimize-start
 #   unet            optimize-wait, then onnx/bench_unet.py -> unet.json
-#   fleet           optimize-wait, then deploy/gpu/fleet.sh with binaries from .gpu/bin -> fleet.json
+#   fleet-speed     optimize-wait, then `deploy/gpu/fleet.sh speed` (binaries from .gpu/bin) -> fleet-speed.json
+#   fleet-budget    optimize-wait, then `deploy/gpu/fleet.sh budget` -> budget.json, budget-check.jsonl
+#   fleet           fleet-speed, then fleet-budget
 #   report          deploy/gpu/report.py over /root/results -> report.md, report.json, results.tar.gz
 #
 # /root/results keeps every figure and log between the calls of a lease; each stage also copies its
-# own files to $OUT (at most 8 files come back per call). A failed stage stops the stages after it in
-# the same command, except report. Knobs: CALL_LIMIT_S (560: stages size their budgets to end
-# before it), DIFFUSERS_BUDGET_S, UNET_BUDGET_S, DIFFUSERS_ARGS, UNET_ARGS, UNFUSED, LEASE_ROOT, and
+# own files to $OUT (at most 8 files come back per call: report warns when more are there). A failed
+# stage stops the stages after it in the same command, except report. Knobs: CALL_LIMIT_S (560:
+# stages size their budgets to end before it), DIFFUSERS_BUDGET_S, DIFFUSERS_EAGER_BUDGET_S,
+# UNET_BUDGET_S, DIFFUSERS_ARGS, UNET_ARGS, UNFUSED, LEASE_ROOT, fleet.sh's own (its header), and
 # for a dry run of the stages on a CPU machine (deploy/gpu/README.md): EXPORT_SOURCE (--tiny-config
 # instead of --random-weights), EXPORT_ARGS, OPTIMIZE_ARGS (--cpu).
 set -uo pipefail
@@ -186,7 +192,7 @@ stage_optimize_start() {
     setsid nohup bash -c 's=$SECONDS; PYTHONPATH="$1:$2" python3 "$3/scripts/optimize_unet.py" "$4/unet/model.onnx" "$5/unet/model.onnx" $6; echo "$? $((SECONDS - s))" > "$3/optimize.rc"' \
         _ "$NP" "$SITE" "$ROOT" "$SDXL32" "$SDXL" "${OPTIMIZE_ARGS:-}" > "$RESULTS/optimize.log" 2>&1 < /dev/null &
     echo $! > "$ROOT/optimize.pid"
-    if [ "${UNFUSED:-1}" = 1 ]; then
+    if [ "${UNFUSED:-0}" = 1 ]; then
         log "starting the plain fp16 conversion of the fp32 UNet -> $UNFUSED_DIR"
         rm -rf "$UNFUSED_DIR"
         # shellcheck disable=SC2016 # the inner script expands its own arguments
@@ -247,19 +253,23 @@ stage_optimize_wait() {
     du -sh "$SDXL/unet" "$UNFUSED_DIR/unet" 2> /dev/null
 }
 
+# stage_diffusers NAME BUDGET_S [ARGS...]: bench_diffusers.py -> NAME.json and NAME.log
 stage_diffusers() {
     ort_env
-    local budget note="" extra=()
-    budget=$(min "${DIFFUSERS_BUDGET_S:-480}" "$(($(left) - 40))")
+    local name=$1 budget note="" extra=()
+    budget=$(min "$2" "$(($(left) - 40))")
+    shift 2
     if alive "$ROOT/optimize.pid" || alive "$ROOT/unfused.pid"; then
-        note="ORT's UNet optimizer and the fp16 converter (one CPU core each, no GPU) ran meanwhile"
+        note="ORT's UNet optimizer (one CPU core, no GPU) ran meanwhile"
+        alive "$ROOT/unfused.pid" && note="ORT's UNet optimizer and the fp16 converter (one CPU core each, no GPU) ran meanwhile"
     fi
     read -r -a extra <<< "${DIFFUSERS_ARGS:-}"
-    log "bench_diffusers.py, budget $budget s${note:+ ($note)}"
-    timeout -k 10 $((budget + 60)) python3 onnx/bench_diffusers.py --out "$RESULTS/diffusers.json" \
-        --budget-s "$budget" --note "$note" "${extra[@]}" 2>&1 | tee "$RESULTS/diffusers.log"
+    log "bench_diffusers.py $* -> $name.json, budget $budget s${note:+ ($note)}"
+    timeout -k 10 $((budget + 60)) python3 onnx/bench_diffusers.py --out "$RESULTS/$name.json" \
+        --budget-s "$budget" --note "$note" "$@" "${extra[@]}" 2>&1 | tee "$RESULTS/$name.log"
     local rc=$?
-    to_out "$RESULTS/diffusers.json" "$RESULTS/diffusers.log"
+    # The log stays in results.tar.gz: a call brings back 8 files at most.
+    to_out "$RESULTS/$name.json"
     return $rc
 }
 
@@ -281,26 +291,29 @@ stage_unet() {
     return $rc
 }
 
+# stage_fleet speed|budget: deploy/gpu/fleet.sh STAGE, ending 40 s before the call's limit (report).
 stage_fleet() {
+    local part=$1
     stage_optimize_wait || return
     [ -d .gpu/bin ] || { echo "carry .gpu/bin (the release binaries built here) in this call" >&2; return 2; }
-    if [ ! -f deploy/gpu/fleet.sh ]; then
-        echo "deploy/gpu/fleet.sh is not written yet (deploy/gpu/README.md says what it must do)" >&2
-        return 4
-    fi
     ort_env
     chmod +x .gpu/bin/* 2> /dev/null
-    # What fleet.sh gets (deploy/gpu/README.md, "fleet.sh"):
+    # What fleet.sh gets (deploy/gpu/README.md, "fleet.sh"); python3 keeps torch (the hog) and pynvml
+    # with PYTHONPATH=/root/site in front.
     export SHOTFLEET_DEVICE=cuda BIN_DIR=$REPO/.gpu/bin MODEL_DIR=$SDXL RESULTS OUT \
         NATS_SERVER=$SITE/bin/nats-server GPU_SAMPLER=$REPO/deploy/gpu/gpu_sampler.py
     export FLEET_DEADLINE_S=$(($(left) - 40))
-    log "fleet.sh, must end within $FLEET_DEADLINE_S s"
+    if [ "$FLEET_DEADLINE_S" -lt 60 ]; then
+        echo "fleet $part: only $FLEET_DEADLINE_S s left in this call" >&2
+        return 7
+    fi
+    log "fleet.sh $part, must end within $FLEET_DEADLINE_S s"
     # Not `| tee`: a process fleet.sh leaves behind would hold the pipe open and the call with it
     # (2026-11-30: an orphaned sampler kept call 8 running to its 600 s limit, so report never ran).
     # tail --pid follows the log and ends with timeout's process, whatever else still runs.
-    timeout -k 10 "$FLEET_DEADLINE_S" bash deploy/gpu/fleet.sh > "$RESULTS/fleet.log" 2>&1 < /dev/null &
+    timeout -k 10 "$FLEET_DEADLINE_S" bash deploy/gpu/fleet.sh "$part" > "$RESULTS/fleet-$part.log" 2>&1 < /dev/null &
     local pid=$! rc=0
-    tail -n +1 --pid="$pid" -f "$RESULTS/fleet.log"
+    tail -n +1 --pid="$pid" -f "$RESULTS/fleet-$part.log"
     wait "$pid" || rc=$?
     return "$rc"
 }
@@ -310,6 +323,9 @@ stage_report() {
     local rc=$?
     to_out "$RESULTS/report.md" "$RESULTS/report.json"
     tar czf "$OUT/results.tar.gz" -C "$RESULTS" . 2> /dev/null
+    local n
+    n=$(find "$OUT" -type f | wc -l)
+    [ "$n" -le 8 ] || echo "warning: $n files in \$OUT, 8 come back: $(find "$OUT" -type f -printf '%f ')" >&2
     return $rc
 }
 
@@ -323,9 +339,13 @@ run_stage() {
         export) stage_export || rc=$? ;;
         optimize-start) stage_optimize_start || rc=$? ;;
         optimize-wait) stage_optimize_wait || rc=$? ;;
-        diffusers) stage_diffusers || rc=$? ;;
+        diffusers) stage_diffusers diffusers "${DIFFUSERS_BUDGET_S:-480}" || rc=$? ;;
+        diffusers-compiled) stage_diffusers diffusers "${DIFFUSERS_BUDGET_S:-480}" --compiled-only || rc=$? ;;
+        diffusers-eager) stage_diffusers diffusers-eager "${DIFFUSERS_EAGER_BUDGET_S:-150}" --eager-only || rc=$? ;;
         unet) stage_unet || rc=$? ;;
-        fleet) stage_fleet || rc=$? ;;
+        fleet-speed) stage_fleet speed || rc=$? ;;
+        fleet-budget) stage_fleet budget || rc=$? ;;
+        fleet) { stage_fleet speed && stage_fleet budget; } || rc=$? ;;
         report) stage_report || rc=$? ;;
         *) echo "unknown stage: $name" >&2; rc=2 ;;
     esac

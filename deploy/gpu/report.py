@@ -1,16 +1,19 @@
-"""Merges one GPU lease's results into one table (markdown and JSON).
+"""Merges one GPU lease's results into one report (markdown and JSON).
 
     python3 deploy/gpu/report.py RESULTS_DIR [--md report.md] [--json report.json]
 
 RESULTS_DIR is /root/results on the GPU machine, or here the folder where a call's files (or
 results.tar.gz, unpacked) landed. It reads what is there, all optional:
-  diffusers.json  onnx/bench_diffusers.py (cells: mode x batch)
-  fleet.json      deploy/gpu/fleet.sh: {"runs": [{label, batch, workers, images, wall_s, images_per_s,
-                  warmup_s, peak_vram_gib, nvml_used_peak_gib, busy_fraction, note}]} (or one such run)
-  unet.json       onnx/bench_unet.py (variants)
-  stages.jsonl    deploy/gpu/lease.sh (seconds per stage)
-Ratios: images/s over diffusers eager, and over diffusers compiled, at the same images per call
-(batch 1 when the batch was not measured there). Standard library only.
+  diffusers.json        onnx/bench_diffusers.py (cells: mode x batch; the compiled cells in this plan)
+  diffusers-eager.json  the same, eager cells only, timed when nothing else ran: its cells replace
+                        diffusers.json's eager ones
+  fleet-speed.json      deploy/gpu/fleet.sh speed (fleet_summary.py: runs, each with its sets)
+  fleet.json            the 2026-11-30 lease's fleet.sh ({"runs": [{label, batch, images_per_s, ...}]})
+  budget.json           deploy/gpu/fleet.sh budget: check, mixed, oom
+  unet.json             onnx/bench_unet.py (variants)
+  stages.jsonl          deploy/gpu/lease.sh (seconds per stage)
+Ratios: a fleet set's images/s (and steady images/s) over diffusers eager, and over compiled, at
+the same images per job/call (batch 1 when that batch was not measured). Standard library only.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+
+STAGE_KEYS = ("text_ms", "unet_ms", "vae_ms", "png_ms", "upload_ms", "render_ms")
 
 
 def load(path: Path):
@@ -28,104 +33,260 @@ def load(path: Path):
 
 
 def num(v, fmt: str, dash: str = "-") -> str:
-    return format(v, fmt) if isinstance(v, (int, float)) else dash
+    return format(v, fmt) if isinstance(v, (int, float)) and not isinstance(v, bool) else dash
 
 
-def image_rows(diff: dict | None, fleet) -> list[dict]:
+def pct(v) -> str:
+    return f"{v * 100:.0f}%" if isinstance(v, (int, float)) else "-"
+
+
+def merge_diffusers(diff: dict | None, eager: dict | None) -> dict | None:
+    """diffusers.json's cells, its eager ones replaced by diffusers-eager.json's where that has them."""
+    if not eager:
+        return diff
+    if not diff:
+        return eager
+    eager_cells = [c for c in eager.get("cells", []) if c.get("mode") == "eager"]
+    keep = [c for c in diff.get("cells", []) if not (c.get("mode") == "eager" and eager_cells)]
+    for c in eager_cells:
+        c = dict(c)
+        c["source"] = "diffusers-eager.json"
+        if eager.get("note"):
+            c["note"] = eager["note"]
+        keep.append(c)
+    out = dict(diff)
+    out["cells"] = sorted(keep, key=lambda c: (c.get("mode") != "eager", c.get("batch") or 0))
+    out["eager_note"] = eager.get("note") or "timed alone (after the optimizer finished)"
+    return out
+
+
+def diffusers_rows(diff: dict | None) -> list[dict]:
     rows = []
     for c in (diff or {}).get("cells", []):
-        row = {
-            "system": f"diffusers {c['mode']}",
-            "mode": c["mode"],
-            "batch": c.get("batch"),
-            "status": c.get("status"),
-        }
+        row = {"system": f"diffusers {c['mode']}", "mode": c["mode"], "batch": c.get("batch"), "status": c.get("status")}
         if c.get("status") == "ok":
-            row.update(
-                images=c.get("images"),
-                images_per_s=c.get("images_per_s"),
-                s_per_image=c.get("s_per_image"),
-                peak_vram_gib=c.get("peak_alloc_gib"),
-                peak_reserved_gib=c.get("peak_reserved_gib"),
-                nvml_used_peak_gib=c.get("nvml_used_peak_gib"),
-                warmup_s=c.get("warmup_s"),
-                busy_fraction=c.get("busy_fraction"),
-            )
+            row.update(images=c.get("images"), images_per_s=c.get("images_per_s"), s_per_image=c.get("s_per_image"),
+                       peak_vram_gib=c.get("peak_alloc_gib"), nvml_used_peak_gib=c.get("nvml_used_peak_gib"),
+                       warmup_s=c.get("warmup_s"), busy_fraction=c.get("busy_fraction"),
+                       note=c.get("source", ""))
         else:
             row["note"] = c.get("error", "")
         rows.append(row)
-    runs = []
-    if isinstance(fleet, dict):
-        runs = fleet.get("runs", [fleet])
-    elif isinstance(fleet, list):
-        runs = fleet
-    for r in runs:
+    return rows
+
+
+def fleet_rows(speed: dict | None, old: dict | list | None) -> list[dict]:
+    """One row per fleet set: fleet-speed.json's runs x sets, or the old fleet.json's runs."""
+    rows = []
+    for run in (speed or {}).get("runs", []):
+        base = {"mode": "fleet", "run": run.get("name"), "concurrency": run.get("concurrency"),
+                "batch_jobs": run.get("batch_jobs"), "warmup_s": run.get("warmup_s")}
+        if run.get("status") in ("skipped", "failed") and not any(s.get("images") for s in run.get("sets", [])):
+            rows.append(base | {"system": f"shotfleet {run.get('label')}", "status": run.get("status"),
+                                "note": run.get("error") or run.get("note") or ""})
+            continue
+        for s in run.get("sets", []):
+            ips = s.get("images_per_s")
+            rows.append(base | {
+                "system": f"shotfleet {run.get('label')}, {s.get('label')}",
+                "batch": s.get("images_per_job"), "status": s.get("status"), "images": s.get("images"),
+                "images_per_s": ips, "images_per_s_steady": s.get("images_per_s_steady"),
+                "s_per_image": (1 / ips) if ips else None, "peak_vram_gib": s.get("peak_vram_gib"),
+                "nvml_used_peak_gib": s.get("nvml_used_peak_gib"), "busy_fraction": s.get("busy_fraction"),
+                "stage_ms_median": s.get("stage_ms_median") or {},
+                "note": "; ".join(x for x in (s.get("note"), run.get("error")) if x)})
+    runs = old.get("runs", [old]) if isinstance(old, dict) else (old or [])
+    for r in runs if not rows else []:
         ips = r.get("images_per_s")
-        if ips is None and r.get("images") and r.get("wall_s"):
-            ips = r["images"] / r["wall_s"]
-        rows.append({
-            "system": "shotfleet " + str(r.get("label", "fleet")),
-            "mode": "fleet",
-            "batch": r.get("batch"),
-            "workers": r.get("workers"),
-            "status": r.get("status", "ok" if ips else "no figure"),
-            "images": r.get("images"),
-            "images_per_s": ips,
-            "s_per_image": (1 / ips) if ips else None,
-            "peak_vram_gib": r.get("peak_vram_gib"),
-            "nvml_used_peak_gib": r.get("nvml_used_peak_gib"),
-            "warmup_s": r.get("warmup_s"),
-            "busy_fraction": r.get("busy_fraction"),
-            "note": r.get("note", ""),
-        })
-    ref = {}
+        rows.append({"system": "shotfleet " + str(r.get("label", "fleet")), "mode": "fleet", "batch": r.get("batch"),
+                     "concurrency": r.get("workers"), "status": r.get("status", "ok" if ips else "no figure"),
+                     "images": r.get("images"), "images_per_s": ips, "images_per_s_steady": r.get("images_per_s_steady"),
+                     "s_per_image": (1 / ips) if ips else None, "peak_vram_gib": r.get("peak_vram_gib"),
+                     "nvml_used_peak_gib": r.get("nvml_used_peak_gib"), "warmup_s": r.get("warmup_s"),
+                     "busy_fraction": r.get("busy_fraction"), "stage_ms_median": {}, "note": r.get("note", "")})
+    return rows
+
+
+def add_ratios(rows: list[dict]) -> None:
+    ref = {(r["mode"], r["batch"]): r["images_per_s"] for r in rows
+           if r["mode"] in ("eager", "compiled") and r.get("images_per_s")}
     for row in rows:
-        if row["mode"] in ("eager", "compiled") and row.get("images_per_s"):
-            ref[(row["mode"], row["batch"])] = row["images_per_s"]
-    for row in rows:
-        ips = row.get("images_per_s")
         for mode in ("eager", "compiled"):
             base = ref.get((mode, row.get("batch"))) or ref.get((mode, 1))
-            row[f"x_{mode}"] = (ips / base) if ips and base else None
-    return rows
+            for key, suffix in (("images_per_s", ""), ("images_per_s_steady", "_steady")):
+                v = row.get(key)
+                row[f"x_{mode}{suffix}"] = (v / base) if v and base else None
 
 
 def images_md(rows: list[dict], diff: dict | None) -> list[str]:
     d = diff or {}
-    title = (f"## Images per second: SDXL {d.get('size', 1024)}x{d.get('size', 1024)}, {d.get('steps', 30)} steps, "
-             f"guidance {d.get('guidance', 5.0)}, random weights")
-    out = [title, ""]
+    out = [f"## Images per second: SDXL {d.get('size', 1024)}x{d.get('size', 1024)}, {d.get('steps', 30)} steps, "
+           f"guidance {d.get('guidance', 5.0)}, random weights", ""]
     if d.get("versions"):
         v = d["versions"]
         out.append(f"{v.get('gpu', '?')}; torch {v.get('torch')}, diffusers {v.get('diffusers')}, "
-                   f"transformers {v.get('transformers')}. {d.get('note') or ''}".rstrip())
-        out.append("")
-    out += [
-        "| system | images/call | images/s | s/image | x eager | x compiled | peak VRAM GiB | NVML used peak GiB "
-        "| warm-up s | GPU busy | note |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
-    ]
+                   f"transformers {v.get('transformers')}.")
+        if d.get("eager_note"):
+            notes = [f"Compiled cells: {d['note']}." if d.get("note") else "", f"Eager cells: {d['eager_note']}."]
+        else:
+            notes = [d.get("note") or ""]
+        out += [" ".join(n for n in notes if n), ""]
+    out += ["| system | images/job | images/s | steady | s/image | x eager | x compiled | x eager (steady) "
+            "| x compiled (steady) | warm-up s | peak VRAM GiB | GPU busy | text / unet / vae / png / upload / render ms | note |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |"]
     for r in rows:
-        if r.get("status") != "ok" and not r.get("images_per_s"):
-            out.append(f"| {r['system']} | {num(r.get('batch'), 'd')} | {r.get('status')} | | | | | | | | "
-                       f"{str(r.get('note', ''))[:400]} |")
+        if not r.get("images_per_s") and not r.get("images_per_s_steady"):
+            out.append(f"| {r['system']} | {num(r.get('batch'), 'd')} | {r.get('status')} | | | | | | | "
+                       f"{num(r.get('warmup_s'), '.1f')} | | | | {str(r.get('note', ''))[:300]} |")
             continue
-        busy = f"{r['busy_fraction'] * 100:.0f}%" if isinstance(r.get("busy_fraction"), (int, float)) else "-"
-        batch = num(r.get("batch"), "d")
-        if r.get("workers"):
-            batch += f" ({r['workers']} workers)"
+        med = r.get("stage_ms_median") or {}
+        stages = " / ".join(num(med.get(k), ".0f") for k in STAGE_KEYS) if med else ""
         out.append(
-            f"| {r['system']} | {batch} | {num(r.get('images_per_s'), '.3f')} | {num(r.get('s_per_image'), '.2f')} "
+            f"| {r['system']} | {num(r.get('batch'), 'd')} | {num(r.get('images_per_s'), '.3f')} "
+            f"| {num(r.get('images_per_s_steady'), '.3f')} | {num(r.get('s_per_image'), '.2f')} "
             f"| {num(r.get('x_eager'), '.2f')} | {num(r.get('x_compiled'), '.2f')} "
-            f"| {num(r.get('peak_vram_gib'), '.2f')} | {num(r.get('nvml_used_peak_gib'), '.2f')} "
-            f"| {num(r.get('warmup_s'), '.1f')} | {busy} | {str(r.get('note', ''))[:100]} |")
+            f"| {num(r.get('x_eager_steady'), '.2f')} | {num(r.get('x_compiled_steady'), '.2f')} "
+            f"| {num(r.get('warmup_s'), '.1f')} | {num(r.get('peak_vram_gib'), '.2f')} | {pct(r.get('busy_fraction'))} "
+            f"| {stages} | {str(r.get('note', ''))[:120]} |")
     out += ["",
-            "Peak VRAM: diffusers rows give torch.cuda.max_memory_allocated over the timed calls; fleet rows what "
-            "fleet.sh reports for the worker. NVML used is device-wide. Warm-up: the first call (eager: CUDA and "
-            "cuDNN start; compiled: compilation; fleet: worker start to /readyz 200, i.e. load, sessions and probe "
-            "renders). Fleet images/s: submit to the last result of the set (fleet.json also has the steady rate, "
-            "first job excluded). GPU busy: mean NVML utilization "
-            "over the timed part (share of time with a kernel running, not SM occupancy).", ""]
+            "images/s: diffusers, images over the timed calls; fleet, images over submit to the last result of the set "
+            "(`shotfleet submit --wait`, all jobs at once). steady: images finished after the first finish over first "
+            "to last finish (the worker's `job done` lines). Ratios at the same images per job/call. Peak VRAM: "
+            "diffusers torch.cuda.max_memory_allocated; fleet the worker process's own (NVML) over the set. Warm-up: "
+            "first call (compiled: compilation); fleet: worker start to /readyz 200 (load, sessions, probe renders). "
+            "GPU busy: mean NVML utilization over the timed part. Stage medians from the `job done` lines.", ""]
+    return out
+
+
+def fleet_runs_md(speed: dict | None) -> list[str]:
+    if not speed or not speed.get("runs"):
+        return []
+    out = ["## Fleet runs (one worker process each)", "",
+           "| run | status | concurrency | batch_jobs | [cuda] | warm-up s | peak VRAM GiB | OOM / no room | error or note |",
+           "| --- | --- | ---: | ---: | --- | ---: | ---: | --- | --- |"]
+    for run in speed["runs"]:
+        cuda = ", ".join(f"{k}={v}" for k, v in (run.get("cuda") or {}).items()) or ("-" if run.get("status") != "skipped" else "")
+        counts = run.get("log_counts") or {}
+        out.append(f"| {run.get('label')} | {run.get('status')} | {num(run.get('concurrency'), 'd')} "
+                   f"| {num(run.get('batch_jobs'), 'd')} | {cuda} | {num(run.get('warmup_s'), '.1f')} "
+                   f"| {num(run.get('peak_vram_gib'), '.2f')} | {counts.get('oom', '-')} / {counts.get('no_room', '-')} "
+                   f"| {str(run.get('error') or run.get('note') or '')[:300]} |")
+    out += ["", f"Device {speed.get('device')}, {speed.get('size')}x{speed.get('size')}, {speed.get('steps')} steps; "
+            f"stage {num(speed.get('seconds'), '.0f')} s of its {num(speed.get('deadline_s'), '.0f')} s.", ""]
+    return out
+
+
+def budget_md(budget: dict | None) -> list[str]:
+    if not budget:
+        return []
+    out = ["## Memory budget", ""]
+    check = budget.get("check")
+    if check:
+        out += [f"### Budget check (`--check-budget`, cold arena, calibration steps): {check.get('status')}, "
+                f"exit {check.get('exit_code')}, {num(check.get('seconds'), '.0f')} s", ""]
+        if check.get("rows"):
+            out += ["| shape | predicted MiB | observed MiB | error | predicted / observed |", "| --- | ---: | ---: | ---: | ---: |"]
+            for x in check["rows"]:
+                out.append(f"| {x.get('width')}x{x.get('height')} x {x.get('images')} | {num(x.get('predicted_mib'), '.0f')} "
+                           f"| {num(x.get('observed_mib'), '.0f')} | {num(x.get('error'), '+.3f', str(x.get('error') or '-'))} "
+                           f"| {num(x.get('pred_over_obs'), '.3f')} |")
+            out += ["", f"max |error| {num(check.get('max_abs_error'), '.3f')}; under-predicted: "
+                        f"{', '.join(check.get('under_predicted') or []) or 'none'}; summary {json.dumps(check.get('summary'))}", ""]
+        if check.get("error"):
+            out += [f"Error: {check['error'][:600]}", ""]
+    mixed = budget.get("mixed")
+    if mixed:
+        s = (mixed.get("sets") or [{}])[0]
+        counts = mixed.get("log_counts") or {}
+        hog = mixed.get("hog") or {}
+        tally = s.get("tally") or {}
+        if hog.get("held_mib"):
+            hog_text = (f"{num(hog.get('held_mib'), '.0f')} MiB held, {num(hog.get('free_after_mib'), '.0f')} MiB left free "
+                        f"of {num(hog.get('total_mib'), '.0f')} MiB")
+        elif mixed.get("simulated_others_used_mib"):
+            hog_text = f"none (CPU): simulated others_used_mib = {num(mixed['simulated_others_used_mib'], '.0f')}"
+        else:
+            hog_text = f"none: {mixed.get('hog_error') or (hog or {}).get('error') or 'not started'}"
+        out += [f"### Mixed run under memory pressure: {mixed.get('status')}", "",
+                "| what | value |", "| --- | --- |",
+                f"| hog (another process holding the card) | {hog_text} |",
+                f"| jobs (sizes, images, p0/p1/p2) | {s.get('jobs')} jobs, {s.get('requested_images')} images, {s.get('steps')} steps |",
+                f"| submit --wait tally | {tally.get('done', '-')} done, {tally.get('degraded', '-')} degraded, "
+                f"{tally.get('failed', '-')} failed (exit {s.get('submit_rc')}) |",
+                f"| admission OOMs (`out of memory` lines) | **{counts.get('oom', '-')}** "
+                f"({ {True: 'zero: met', False: 'not zero: NOT met'}.get(mixed.get('zero_admission_ooms'), 'no job rendered: not measured')}) |",
+                f"| `no room for this job now` (given back) | {counts.get('no_room', '-')} |",
+                f"| `job done` lines / jobs_total metrics | {counts.get('job_done', '-')} / {json.dumps(mixed.get('jobs_total'))} |",
+                f"| wall, images/s (steady) | {num(s.get('wall_s'), '.1f')} s, {num(s.get('images_per_s'), '.3f')} "
+                f"({num(s.get('images_per_s_steady'), '.3f')}) |",
+                f"| GPU busy, worker peak VRAM, device peak | {pct(s.get('busy_fraction'))}, {num(s.get('peak_vram_gib'), '.2f')} GiB, "
+                f"{num(s.get('nvml_used_peak_gib'), '.2f')} GiB |"]
+        if mixed.get("error"):
+            out.append(f"| error | {mixed['error'][:400]} |")
+        out.append("")
+    oom = budget.get("oom")
+    if oom:
+        counts = oom.get("log_counts") or {}
+        cap = f"[faults] arena_limit_mib = {num(oom.get('arena_limit_mib'), '.0f')}" if oom.get("arena_limit_mib") \
+            else f"cpu_arena_max_mib = {num(oom.get('cpu_arena_max_mib'), '.0f')}"
+        out += [f"### Forced out-of-memory ({cap}): {oom.get('status')}", ""]
+        if oom.get("status") == "skipped" or (oom.get("error") and not oom.get("big_job")):
+            out += [f"{oom.get('error') or oom.get('note')}", ""]
+        else:
+            big = oom.get("big_job") or {}
+            sets = {s.get("key"): s for s in oom.get("sets", [])}
+            detail = (sets.get("big", {}).get("not_done") or {})
+            out += [f"1. Big job: {', '.join(f'{k} **{v}**' for k, v in big.items()) or 'no outcome'}"
+                    f"{' (' + '; '.join(detail.values())[:300] + ')' if detail else ''}.",
+                    f"2. Worker log: {counts.get('oom', 0)} `out of memory`, {counts.get('degrading_in_place', 0)} "
+                    f"`degrading in place`, {counts.get('republished_down', 0)} `re-published one rung down`, "
+                    f"{counts.get('job_failed', 0)} `job failed`."]
+            for x in oom.get("oom_lines", [])[:8]:
+                out.append(f"   - out of memory: batch {x.get('batch')}, vae {x.get('vae')}, attempt {x.get('attempt')}: "
+                           f"{str(x.get('detail', ''))[:140]}")
+            for x in oom.get("degrading_lines", [])[:8]:
+                out.append(f"   - degrading in place: batch {x.get('batch')}, vae {x.get('vae')}")
+            for x in oom.get("republished_lines", [])[:8]:
+                out.append(f"   - re-published: level {x.get('level')}, {x.get('width')}x{x.get('height')}, {x.get('steps')} steps")
+            small = oom.get("small_jobs") or {}
+            out += [f"3. Then 3 small jobs: {', '.join(f'{k} {v}' for k, v in small.items()) or 'not run'}.",
+                    f"4. Same process (pid {oom.get('pid_before')} -> {oom.get('pid_after')}, alive "
+                    f"{'yes' if oom.get('alive_after') else 'no'}): kept serving **{'yes' if oom.get('kept_serving') else 'no'}**.", ""]
+            if oom.get("error"):
+                out += [f"Error: {oom['error'][:400]}", ""]
+    return out
+
+
+def targets_md(rows: list[dict]) -> list[str]:
+    """The issue's targets against the best fleet set of each kind."""
+    def best(pred):
+        cands = [r for r in rows if r["mode"] == "fleet" and r.get("images_per_s") and pred(r)]
+        return max(cands, key=lambda r: r["images_per_s"]) if cands else None
+
+    single = best(lambda r: r.get("batch") == 1 and (r.get("batch_jobs") or 1) == 1)
+    batched = best(lambda r: (r.get("batch") or 1) > 1 or (r.get("batch_jobs") or 1) > 1)
+    if not single and not batched:
+        return []
+    out = ["## Against the targets (best fleet set of each kind)", "", "| target | measured | verdict |", "| --- | --- | --- |"]
+
+    def line(name, r, key, goal):
+        if not r:
+            return
+        v = r.get(key)
+        out.append(f"| {name} | {num(v, '.2f')} ({r['system']}; steady {num(r.get(key + '_steady') if key.startswith('x_') else r.get('images_per_s_steady'), '.2f')}) "
+                   f"| {'met' if isinstance(v, (int, float)) and v >= goal else 'not met'} |")
+
+    line("≥ 1.8x diffusers eager, single-image jobs", single, "x_eager", 1.8)
+    line("≥ 1.3x diffusers compiled, single-image jobs", single, "x_compiled", 1.3)
+    line("≥ 1.0 img/s, single-image jobs", single, "images_per_s", 1.0)
+    line("≥ 1.3 img/s, batchable jobs", batched, "images_per_s", 1.3)
+    warm = [r.get("warmup_s") for r in rows if r["mode"] == "fleet" and isinstance(r.get("warmup_s"), (int, float))]
+    if warm:
+        out.append(f"| warm-up < 30 s | {max(warm):.1f} s at most | {'met' if max(warm) < 30 else 'not met'} |")
+    busy = [r.get("busy_fraction") for r in rows if r["mode"] == "fleet" and isinstance(r.get("busy_fraction"), (int, float))]
+    if busy:
+        out.append(f"| GPU busy ≥ 95 % | {max(busy) * 100:.0f}% at best | {'met' if max(busy) >= 0.95 else 'not met'} |")
+    out.append("")
     return out
 
 
@@ -184,9 +345,8 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     d = args.results
-    diff = load(d / "diffusers.json")
-    fleet = load(d / "fleet.json")
-    unet = load(d / "unet.json")
+    diff = merge_diffusers(load(d / "diffusers.json"), load(d / "diffusers-eager.json"))
+    speed, budget, unet = load(d / "fleet-speed.json"), load(d / "budget.json"), load(d / "unet.json")
     stages = []
     if (d / "stages.jsonl").exists():
         for line in (d / "stages.jsonl").read_text().splitlines():
@@ -194,10 +354,14 @@ def main() -> None:
                 stages.append(json.loads(line))
             except ValueError:
                 pass
-    rows = image_rows(diff, fleet)
+    rows = diffusers_rows(diff) + fleet_rows(speed, load(d / "fleet.json"))
+    add_ratios(rows)
     steps = (diff or {}).get("steps", 30)
     md = ["# GPU lease report (issue gpu-speed)", ""]
-    md += images_md(rows, diff) if rows else ["No images/s figures (diffusers.json, fleet.json) found.", ""]
+    md += images_md(rows, diff) if rows else ["No images/s figures (diffusers*.json, fleet-speed.json) found.", ""]
+    md += targets_md(rows)
+    md += fleet_runs_md(speed)
+    md += budget_md(budget)
     md += unet_md(unet, steps)
     md += stages_md(stages)
     text = "\n".join(md) + "\n"
@@ -205,7 +369,8 @@ def main() -> None:
     if args.md:
         args.md.write_text(text)
     if args.json:
-        args.json.write_text(json.dumps({"images": rows, "unet_best": (unet or {}).get("best"),
+        args.json.write_text(json.dumps({"images": rows, "fleet_runs": (speed or {}).get("runs"), "budget": budget,
+                                         "unet_best": (unet or {}).get("best"),
                                          "unet_stock_spread": (unet or {}).get("stock_spread"),
                                          "unet": (unet or {}).get("results"), "stages": stages}, indent=2) + "\n")
 

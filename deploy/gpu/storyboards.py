@@ -1,0 +1,96 @@
+"""Job files (JSON Lines storyboards) for deploy/gpu/fleet.sh.
+
+    python3 deploy/gpu/storyboards.py uniform FILE --run R --set S --jobs 16 --images 1 \
+        --width 1024 --height 1024 --steps 30
+    python3 deploy/gpu/storyboards.py mixed FILE --run R --jobs 200 --steps 4 [--scale 8]
+
+uniform: one set of a timed run: the same size, steps and guidance for every job (so a worker
+with batch_jobs > 1 may render them together), distinct seeds and prompts, all p0.
+mixed: the budget stage's run under memory pressure: sizes from 512x512 to 1536x1536 (square and
+not, multiples of 64), 1 to 4 images, priorities p0/p1/p2, drawn from a fixed seed so a rerun
+submits the same jobs. --scale N divides every side by N (the CPU dry run's tiny model: 8 gives
+64..192 px). Prints one line: jobs, images, and the size and priority counts. Standard library only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import random
+
+PROMPTS = [
+    "a lighthouse on a cliff at dawn, ink wash",
+    "a fox in a snowy forest, soft light",
+    "a market street in the rain at night, neon",
+    "an old sailing ship in a storm, oil painting",
+    "a cat asleep on a windowsill, afternoon sun",
+    "a desert canyon at sunset, wide shot",
+    "a glass greenhouse full of ferns, morning fog",
+    "a robot reading in a library, warm lamp light",
+]
+
+# The mixed run's sizes (width, height) with their weights: most jobs small to medium, as a
+# storyboard's are, with enough large ones to press the budget.
+MIXED_SIZES = [
+    ((512, 512), 4), ((640, 768), 3), ((768, 768), 3), ((1024, 1024), 4),
+    ((1152, 896), 2), ((896, 1152), 2), ((1280, 1280), 1), ((1536, 1536), 1),
+]
+MIXED_IMAGES = [(1, 4), (2, 3), (3, 2), (4, 2)]
+MIXED_PRIORITIES = [("p0", 2), ("p1", 2), ("p2", 1)]
+
+
+def job(run: str, set_name: str, i: int, width: int, height: int, steps: int, images: int, priority: str,
+        seed: int) -> dict:
+    return {
+        "job_id": f"{run}-{set_name}-{i:03d}", "project": "fleet", "shot_id": f"{set_name}{i:03d}",
+        "priority": priority, "prompt": f"{PROMPTS[i % len(PROMPTS)]}, take {i}",
+        "width": width, "height": height, "steps": steps, "guidance": 5.0, "seed": seed, "images": images,
+    }
+
+
+def uniform(args) -> list[dict]:
+    return [job(args.run, args.set, i, args.width, args.height, args.steps, args.images, "p0", 1000 + i)
+            for i in range(1, args.jobs + 1)]
+
+
+def pick(rng: random.Random, weighted: list) -> object:
+    return rng.choices([v for v, _ in weighted], weights=[w for _, w in weighted])[0]
+
+
+def mixed(args) -> list[dict]:
+    rng = random.Random(args.seed)
+    jobs = []
+    for i in range(1, args.jobs + 1):
+        width, height = pick(rng, MIXED_SIZES)
+        jobs.append(job(args.run, args.set, i, width // args.scale, height // args.scale, args.steps,
+                        pick(rng, MIXED_IMAGES), pick(rng, MIXED_PRIORITIES), rng.randrange(1, 2**31)))
+    return jobs
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("kind", choices=("uniform", "mixed"))
+    ap.add_argument("file")
+    ap.add_argument("--run", required=True, help="prefix of the job ids (unique per submission)")
+    ap.add_argument("--set", default="a", help="set name, part of the job and shot ids")
+    ap.add_argument("--jobs", type=int, required=True)
+    ap.add_argument("--images", type=int, default=1)
+    ap.add_argument("--width", type=int, default=1024)
+    ap.add_argument("--height", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--scale", type=int, default=1, help="mixed: divide every side by this")
+    ap.add_argument("--seed", type=int, default=20261130, help="mixed: the draw's seed")
+    args = ap.parse_args()
+    jobs = uniform(args) if args.kind == "uniform" else mixed(args)
+    with open(args.file, "w") as f:
+        for j in jobs:
+            f.write(json.dumps(j) + "\n")
+    sizes = collections.Counter(f"{j['width']}x{j['height']}" for j in jobs)
+    prios = collections.Counter(j["priority"] for j in jobs)
+    print(json.dumps({"jobs": len(jobs), "images": sum(j["images"] for j in jobs), "sizes": dict(sorted(sizes.items())),
+                      "priorities": dict(sorted(prios.items()))}))
+
+
+if __name__ == "__main__":
+    main()
