@@ -131,11 +131,20 @@ pub struct CalibrationConfig {
     /// Skip the probe renders when a stored fingerprint matches (card, model, runtime). A fitness
     /// render of the smallest shape still runs.
     pub reuse_fingerprint: bool,
+    /// Each probe shrinks the arenas at its end, so the next one is measured from the models
+    /// alone. Off: probes run back to back smallest first, and a larger probe's peak also
+    /// counts regions a smaller one left that it could not reuse (a few percent high).
+    pub cold: bool,
 }
 
 impl Default for CalibrationConfig {
     fn default() -> Self {
-        Self { shapes: vec![[512, 512, 1], [768, 768, 1], [1024, 1024, 1], [1024, 1024, 2]], steps: 2, reuse_fingerprint: true }
+        Self {
+            shapes: vec![[512, 512, 1], [768, 768, 1], [1024, 1024, 1], [1024, 1024, 2]],
+            steps: 2,
+            reuse_fingerprint: true,
+            cold: true,
+        }
     }
 }
 

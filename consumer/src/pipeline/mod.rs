@@ -70,14 +70,16 @@ pub enum Device {
     Cuda { gpu: u32, mem_limit_bytes: Option<u64>, tuning: CudaTuning },
 }
 
-/// The CUDA provider's speed options (`[cuda]` in the worker's config). Defaults are ONNX
-/// Runtime's own; what each is worth on an H200 is in deploy/gpu/RESULTS.md.
+/// The CUDA provider's speed options for the UNet (`[cuda]` in the worker's config; the other
+/// graphs keep ONNX Runtime's defaults). Defaults are ONNX Runtime's own; what each is worth on
+/// an H200 is in deploy/gpu/RESULTS.md.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct CudaTuning {
     /// How cuDNN picks convolution algorithms.
     pub conv_algo_search: ConvSearch,
-    /// Fuse a convolution's bias (and activation) into the cuDNN call.
+    /// Fuse a convolution's bias (and activation) into the cuDNN call. Measured only at one
+    /// fixed shape; see `ModelSession::load_unet` for what happened with it on every graph.
     pub fuse_conv_bias: bool,
     /// Replay the UNet as a CUDA graph: captured on the first call of each latent shape, into
     /// fixed device buffers that later calls of that shape reuse (see `unet::GraphBuffers`).

@@ -231,18 +231,19 @@ impl ModelSession {
         Self::load_file(env, path, options, false)
     }
 
-    /// Loads `path` for replay as CUDA graphs where `options` ask for them (`[cuda] graph`):
-    /// every run must then bind fixed device buffers and name its graph (see `unet`).
-    pub(crate) fn load_capturable(env: &Environment, path: &Path, options: &PipelineOptions) -> Result<ModelSession, LoadError> {
-        let graph = matches!(options.device, Device::Cuda { tuning, .. } if tuning.graph);
-        Self::load_file(env, path, options, graph)
+    /// Loads the UNet: the one graph the `[cuda]` speed options apply to (they were measured on
+    /// it, at fixed shapes), CUDA graphs included. The other graphs keep ONNX Runtime's defaults:
+    /// on the 2026-11-30 lease a worker with `fuse_conv_bias` on every graph died with an illegal
+    /// memory access once shapes changed (deploy/gpu/RESULTS.md).
+    pub(crate) fn load_unet(env: &Environment, path: &Path, options: &PipelineOptions) -> Result<ModelSession, LoadError> {
+        Self::load_file(env, path, options, true)
     }
 
-    fn load_file(env: &Environment, path: &Path, options: &PipelineOptions, graph: bool) -> Result<ModelSession, LoadError> {
+    fn load_file(env: &Environment, path: &Path, options: &PipelineOptions, tuned: bool) -> Result<ModelSession, LoadError> {
         if !path.is_file() {
             return Err(LoadError::MissingFile { path: path.to_path_buf() });
         }
-        Self::build(env, path, None, options, graph)
+        Self::build(env, path, None, options, tuned)
     }
 
     /// Loads a graph shipped inside the binary (`name` labels it in errors).
@@ -250,7 +251,7 @@ impl ModelSession {
         Self::build(env, name, Some(bytes), options, false)
     }
 
-    fn build(env: &Environment, path: &Path, bytes: Option<&[u8]>, options: &PipelineOptions, graph: bool) -> Result<ModelSession, LoadError> {
+    fn build(env: &Environment, path: &Path, bytes: Option<&[u8]>, options: &PipelineOptions, tuned: bool) -> Result<ModelSession, LoadError> {
         let session_err = |source: ort::Error| LoadError::Session { path: path.to_path_buf(), source };
         let mut builder = Session::builder(env)
             .map_err(session_err)?
@@ -268,7 +269,7 @@ impl ModelSession {
             builder = builder.with_env_allocators().map_err(|e| session_err(e.into()))?;
             builder = builder.with_device_allocated_initializers().map_err(|e| session_err(e.into()))?;
         }
-        builder = configure_device(builder, &options.device, graph).map_err(session_err)?;
+        builder = configure_device(builder, &options.device, tuned).map_err(session_err)?;
         let session = match bytes {
             Some(bytes) => builder.commit_from_memory(bytes),
             None => builder.commit_from_file(path),
@@ -352,7 +353,7 @@ fn port(path: &Path, name: &str, ty: &ValueType) -> Result<Port, LoadError> {
 fn configure_device(
     builder: ort::session::builder::SessionBuilder,
     device: &Device,
-    _graph: bool,
+    _tuned: bool,
 ) -> ort::Result<ort::session::builder::SessionBuilder> {
     match device {
         Device::Cpu => Ok(builder),
@@ -365,12 +366,12 @@ fn configure_device(
 /// CUDA, configured as DESIGN.md's "GPU memory" asks: the arena grows only by what is requested
 /// (no power-of-two overshoot eating the budget), is capped at the worker's budget, and weights
 /// live outside it so shrinking the arena after a large job returns activations only.
-/// `graph`: capture CUDA graphs in this session (the UNet's, when `[cuda] graph` is on).
+/// `tuned`: apply the `[cuda]` speed options (the UNet's session, see `ModelSession::load_unet`).
 #[cfg(feature = "cuda")]
 fn configure_device(
     builder: ort::session::builder::SessionBuilder,
     device: &Device,
-    graph: bool,
+    tuned: bool,
 ) -> ort::Result<ort::session::builder::SessionBuilder> {
     use ort::ep::cuda::ConvAlgorithmSearch;
     use ort::ep::{ArenaExtendStrategy, CUDA};
@@ -379,6 +380,7 @@ fn configure_device(
     match device {
         Device::Cpu => Ok(builder),
         Device::Cuda { gpu, mem_limit_bytes, tuning } => {
+            let tuning = if tuned { *tuning } else { super::CudaTuning::default() };
             let search = match tuning.conv_algo_search {
                 ConvSearch::Exhaustive => ConvAlgorithmSearch::Exhaustive,
                 ConvSearch::Heuristic => ConvAlgorithmSearch::Heuristic,
@@ -389,7 +391,7 @@ fn configure_device(
                 .with_arena_extend_strategy(ArenaExtendStrategy::SameAsRequested)
                 .with_conv_algorithm_search(search)
                 .with_fuse_conv_bias(tuning.fuse_conv_bias)
-                .with_cuda_graph(graph);
+                .with_cuda_graph(tuning.graph);
             if let Some(limit) = mem_limit_bytes {
                 cuda = cuda.with_memory_limit(*limit as usize);
             }

@@ -94,7 +94,7 @@ impl StepGraphs {
 
 impl Unet {
     pub(crate) fn load(env: &Environment, config: &FolderConfig, options: &PipelineOptions) -> Result<Unet, LoadError> {
-        let session = ModelSession::load_capturable(env, &config.dir.join(UNET), options)?;
+        let session = ModelSession::load_unet(env, &config.dir.join(UNET), options)?;
         let sample = session.require_input("sample", Some(4), true)?.clone();
         let timestep = session.input("timestep").cloned().ok_or_else(|| session.graph_err("no input \"timestep\"".into()))?;
         if timestep.rank() > 1 {

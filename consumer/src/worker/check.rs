@@ -63,7 +63,7 @@ pub async fn check_budget(config: &WorkerConfig, shapes: &[Shape]) -> Result<(Re
     let ready = startup::prepare(config).await?;
     let mut checked = Vec::with_capacity(shapes.len());
     for &shape in shapes {
-        let observed = startup::measure(&ready.pipeline, &ready.meter, shape, config.calibration.steps).await? as f64;
+        let observed = startup::measure(&ready.pipeline, &ready.meter, shape, config.calibration.steps, true).await? as f64;
         let predicted = ready.budget.estimate().need(shape) as f64;
         let planned = ready.budget.planned(shape.width, shape.height, shape.images) as f64;
         let mib = MIB as f64;

@@ -50,7 +50,7 @@ pub async fn prepare(config: &WorkerConfig) -> Result<Ready, WorkerError> {
         Some(estimate) => {
             // Still one render: the fitness check proves the card and the runtime work.
             let [w, h, n] = config.calibration.shapes[0];
-            measure(&pipeline, &meter, Shape::new(w, h, n), config.calibration.steps).await?;
+            measure(&pipeline, &meter, Shape::new(w, h, n), config.calibration.steps, config.calibration.cold).await?;
             info!("calibration reused from a stored fingerprint");
             estimate
         }
@@ -58,7 +58,7 @@ pub async fn prepare(config: &WorkerConfig) -> Result<Ready, WorkerError> {
             let mut samples = Vec::new();
             for &[w, h, n] in &config.calibration.shapes {
                 let shape = Shape::new(w, h, n);
-                let peak = measure(&pipeline, &meter, shape, config.calibration.steps).await?;
+                let peak = measure(&pipeline, &meter, shape, config.calibration.steps, config.calibration.cold).await?;
                 info!(width = w, height = h, images = n, peak_mib = peak as f64 / budget::MIB as f64, "probe render");
                 samples.push(Sample { shape, peak_bytes: peak });
             }
@@ -122,10 +122,10 @@ fn pipeline_options(config: &WorkerConfig, total: u64, free: u64) -> PipelineOpt
     }
 }
 
-/// One probe render of `shape`, returning its peak memory above the models. The render shrinks
-/// the arenas at its end, so the next probe starts from the models alone and its peak is its
-/// own (an arena holding a smaller probe's regions would add them to a larger one's).
-pub(crate) async fn measure(pipeline: &Arc<Pipeline>, meter: &Arc<PeakMeter>, shape: Shape, steps: u32) -> Result<u64, WorkerError> {
+/// One probe render of `shape`, returning its peak memory above the models. `cold`: the render
+/// shrinks the arenas at its end, so the next probe starts from the models alone and its peak
+/// is its own (an arena holding a smaller probe's regions would add them to a larger one's).
+pub(crate) async fn measure(pipeline: &Arc<Pipeline>, meter: &Arc<PeakMeter>, shape: Shape, steps: u32, cold: bool) -> Result<u64, WorkerError> {
     let pipeline = pipeline.clone();
     let meter = meter.clone();
     let request = RenderRequest {
@@ -141,7 +141,9 @@ pub(crate) async fn measure(pipeline: &Arc<Pipeline>, meter: &Arc<PeakMeter>, sh
     };
     let what = format!("render a {}x{}x{} probe", shape.width, shape.height, shape.images);
     let (rendered, measured) = blocking(move || {
-        pipeline.request_arena_shrink();
+        if cold {
+            pipeline.request_arena_shrink();
+        }
         meter.measure(|| pipeline.render(&request, &mut |_| std::ops::ControlFlow::Continue(())))
     })
     .await?;
