@@ -233,7 +233,7 @@ budget_mixed() {
             others=${SIM_OTHERS_MIB:-3000}
             meta simulated_others_used_mib "$others"
         fi
-        SIM_OTHERS=$others write_config "$WORK/mixed.toml" "concurrency = 2" "$(calibration "$BUDGET_CALIBRATION" 2 false)"$'\n\n'"$TUNED"
+        SIM_OTHERS=$others write_config "$WORK/mixed.toml" "concurrency = 2" "$(calibration "$BUDGET_CALIBRATION" 2 "${MIX_COLD:-true}")"$'\n\n'"$TUNED"
         if worker_start "$WORK/mixed.toml"; then
             python3 "$REPO/deploy/gpu/storyboards.py" mixed "$WORK/jobs.jsonl" --run mixed --set m --jobs "$jobs" \
                 --steps "${MIX_STEPS:-4}" --scale "$SCALE" | tee -a "$RUN_DIR/storyboard.txt"

@@ -9,9 +9,13 @@
 //! the jobs in flight reserved. `resident` is the models, measured once after they load
 //! ([`GpuSnapshot::resident_since`]). `free` is the driver's, so other processes on the card
 //! count. Where NVML reports this process's own usage, what the process holds beyond the models
-//! (in-flight renders, ONNX Runtime's cached arena) is counted back as free, since reservations
-//! already account for it; where it cannot (some containers), our own arena counts as someone
-//! else's, which errs on the safe side.
+//! is counted back as free up to what the jobs in flight reserved: their live tensors are in
+//! their reservations already. Arena cache beyond that (regions earlier renders left) is not:
+//! each graph has its own arena, and one graph's cache cannot serve another's request, so on a
+//! crowded card a job admitted against it ran out of device memory for real (second lease,
+//! 2026-11-30). An idle worker that cannot admit anything shrinks its arenas instead (the
+//! fetch loop). Where NVML cannot tell our usage (some containers), all of it counts as
+//! someone else's, which errs on the safe side.
 //!
 //! **Need.** A render of `images` images of `w x h` needs `a + b x (w/8)(h/8) x images x 2`
 //! bytes ([`Estimate`]): a fixed part and a part per latent pixel of the guidance batch. `a` and
@@ -375,9 +379,9 @@ impl Inner {
         let capped = (snapshot.total as f64 * config.max_fill) as u64;
         let cap_room = capped.saturating_sub(plan.resident).saturating_sub(config.reserve_bytes());
         // What we hold beyond the models is in-flight renders (already in `reserved`) and arena
-        // cache (ours to reuse): count it back as free, where the driver tells us what we hold.
-        let ours_beyond_models = snapshot.own_used.map_or(0, |own| own.saturating_sub(plan.resident));
-        let free_room = (snapshot.free + ours_beyond_models).saturating_sub(config.margin_bytes());
+        // cache: count it back as free up to the reservations, where the driver tells us.
+        let ours_in_flight = snapshot.own_used.map_or(0, |own| own.saturating_sub(plan.resident)).min(plan.reserved);
+        let free_room = (snapshot.free + ours_in_flight).saturating_sub(config.margin_bytes());
         let budget = cap_room.min(free_room);
         Room { budget, available: budget.saturating_sub(plan.reserved) }
     }
@@ -451,13 +455,24 @@ mod tests {
     }
 
     #[test]
-    fn cached_arena_is_ours_only_where_the_driver_says_so() {
-        // 800 MiB of idle arena: reusable when NVML reports our own usage...
-        let (known, _) = budget(card(800 * MIB, 1500 * MIB, true));
-        assert_eq!(known.status().unwrap().budget, 1340 * MIB);
-        // ...and counted as someone else's when it cannot.
+    fn only_in_flight_usage_counts_back_as_free() {
+        // 800 MiB of idle arena cache: used until the arenas are shrunk, whoever NVML says
+        // holds it (free 796 - 256 margin).
+        let (idle, _) = budget(card(800 * MIB, 1500 * MIB, true));
+        assert_eq!(idle.status().unwrap().budget, 540 * MIB);
         let (unknown, _) = budget(card(800 * MIB, 1500 * MIB, false));
         assert_eq!(unknown.status().unwrap().budget, 540 * MIB);
+        // A job in flight reserved 470.8 MiB and holds 400 MiB of it: that much is its own, so
+        // it counts back (and its reservation is taken from the room instead).
+        let (busy, probe) = budget(card(0, 1500 * MIB, true));
+        let reservation = busy.reserve(1024, 1024, 1).unwrap().unwrap();
+        *probe.0.lock().unwrap() = card(400 * MIB, 1500 * MIB, true);
+        let status = busy.status().unwrap();
+        assert_eq!(status.budget, 1340 * MIB);
+        assert_eq!(status.available, 1340 * MIB - reservation.bytes());
+        // What it holds beyond its reservation (cache of an earlier, larger render) does not.
+        *probe.0.lock().unwrap() = card(800 * MIB, 1500 * MIB, true);
+        assert_eq!(busy.status().unwrap().budget, 540 * MIB + reservation.bytes());
     }
 
     #[test]

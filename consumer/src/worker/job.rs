@@ -19,7 +19,7 @@ use crate::failure::{classify_render, ErrorKind};
 use crate::pipeline::{CancelHandle, RenderControl, RenderError, RenderOutput, RenderRequest, RenderedImage, Stage, VaeDecode};
 use crate::telemetry::{self, JobOutcome};
 use crate::worker::delivery::{backoff, Delivery};
-use crate::worker::{commit, degrade, failed, route, Shared};
+use crate::worker::{commit, degrade, failed, route, shrink_arenas, Shared};
 
 /// Handles one delivery to the end: it is acked, naked, terminated or routed when this returns.
 pub async fn handle(shared: Arc<Shared>, delivery: Delivery) {
@@ -321,15 +321,6 @@ async fn republish_smaller(shared: &Shared, delivery: &Delivery, job: &ShotJob) 
             JobOutcome::DegradeRepublished
         }
         Err(e) => nak_transient(shared, delivery, job, &format!("cannot re-publish the degraded job: {e}")).await,
-    }
-}
-
-async fn shrink_arenas(shared: &Arc<Shared>) {
-    let pipeline = shared.pipeline();
-    match tokio::task::spawn_blocking(move || pipeline.shrink_arenas()).await {
-        Ok(Ok(())) => {}
-        Ok(Err(e)) => warn!(error = %e, "arena shrink failed"),
-        Err(e) => warn!(error = %e, "arena shrink task failed"),
     }
 }
 

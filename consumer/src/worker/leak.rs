@@ -75,11 +75,7 @@ impl LeakGuard {
 
 /// This process's usage (else the card's) once the arenas gave back what they could.
 async fn idle_usage(shared: &Arc<Shared>) -> Option<u64> {
-    let pipeline = shared.pipeline();
-    if let Ok(Err(e)) = tokio::task::spawn_blocking(move || pipeline.shrink_arenas()).await {
-        warn!(error = %e, "arena shrink failed");
-    }
-    shared.budget.refresh();
+    super::shrink_arenas(shared).await;
     shared.probe.snapshot().ok().map(|s| s.own_used.unwrap_or(s.used))
 }
 

@@ -291,6 +291,8 @@ async fn fetch_loop(shared: &Arc<Shared>, consumers: &fetch::Consumers, tracker:
     let mut scheduler = priority::Scheduler::new(&shared.config.priorities, Instant::now());
     let base_idle = shared.config.idle_poll.0;
     let mut idle = base_idle;
+    // Whether the arenas were shrunk since nothing last fitted: once per stall is enough.
+    let mut shrunk_for_room = false;
 
     while !stop.is_cancelled() {
         let mut worked = false;
@@ -319,6 +321,7 @@ async fn fetch_loop(shared: &Arc<Shared>, consumers: &fetch::Consumers, tracker:
                     while deliveries.peek().is_some() {
                         let batch: Vec<_> = deliveries.by_ref().take(per_slot).collect();
                         worked = true;
+                        shrunk_for_room = false;
                         let permit = slots.clone().try_acquire_owned().expect("a slot was counted free");
                         let shared = shared.clone();
                         let finished = finished.clone();
@@ -332,6 +335,17 @@ async fn fetch_loop(shared: &Arc<Shared>, consumers: &fetch::Consumers, tracker:
                             finished.notify_one();
                         });
                     }
+                }
+                Ok(_) if free == shared.config.concurrency && !shrunk_for_room => {
+                    // Nothing fits and nothing runs: what the process holds beyond its models is
+                    // arena cache of earlier renders, which the room does not count as free (and
+                    // which keeps the card above `stop_fetch_at` on a crowded card). Give it back,
+                    // then look again at once. Without this, the leak guard's idle shrink (every
+                    // `check_every`) was what unblocked a crowded worker: a minute per stall.
+                    shrunk_for_room = true;
+                    info!("nothing fits while idle; shrinking the arenas");
+                    shrink_arenas(shared).await;
+                    worked = true;
                 }
                 Ok(_) => {}
                 Err(e) => {
@@ -355,6 +369,19 @@ async fn fetch_loop(shared: &Arc<Shared>, consumers: &fetch::Consumers, tracker:
             () = tokio::time::sleep(idle) => idle = (idle * 2).min(base_idle * 10),
         }
     }
+}
+
+/// Gives the arenas' free regions back to the device (a one-step tiny render, see
+/// [`Pipeline::shrink_arenas`](crate::pipeline::Pipeline::shrink_arenas)); the next budget query
+/// reads the card afresh.
+pub(crate) async fn shrink_arenas(shared: &Arc<Shared>) {
+    let pipeline = shared.pipeline();
+    match tokio::task::spawn_blocking(move || pipeline.shrink_arenas()).await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => warn!(error = %e, "arena shrink failed"),
+        Err(e) => warn!(error = %e, "arena shrink task failed"),
+    }
+    shared.budget.refresh();
 }
 
 /// NVML's critical events (XID, double-bit ECC) become driver faults as soon as they arrive.

@@ -122,9 +122,11 @@ fn pipeline_options(config: &WorkerConfig, total: u64, free: u64) -> PipelineOpt
     }
 }
 
-/// One probe render of `shape`, returning its peak memory above the models. `cold`: the render
-/// shrinks the arenas at its end, so the next probe starts from the models alone and its peak
-/// is its own (an arena holding a smaller probe's regions would add them to a larger one's).
+/// One probe render of `shape`, returning its peak memory above the models. `cold`: the arenas
+/// are shrunk first, so the probe starts from the models alone and its peak is its own (an
+/// arena holding a smaller probe's regions would add them to a larger one's). The render itself
+/// runs as a job's does, every graph keeping its arena to the end: the peak is the text
+/// encoders', the UNet's and the VAE's arenas together, as a worker's first job of the shape.
 pub(crate) async fn measure(pipeline: &Arc<Pipeline>, meter: &Arc<PeakMeter>, shape: Shape, steps: u32, cold: bool) -> Result<u64, WorkerError> {
     let pipeline = pipeline.clone();
     let meter = meter.clone();
@@ -142,11 +144,12 @@ pub(crate) async fn measure(pipeline: &Arc<Pipeline>, meter: &Arc<PeakMeter>, sh
     let what = format!("render a {}x{}x{} probe", shape.width, shape.height, shape.images);
     let (rendered, measured) = blocking(move || {
         if cold {
-            pipeline.request_arena_shrink();
+            pipeline.shrink_arenas()?;
         }
-        meter.measure(|| pipeline.render(&request, &mut |_| std::ops::ControlFlow::Continue(())))
+        Ok::<_, crate::pipeline::RenderError>(meter.measure(|| pipeline.render(&request, &mut |_| std::ops::ControlFlow::Continue(()))))
     })
-    .await?;
+    .await?
+    .map_err(|e| WorkerError::start("shrink the arenas before a probe", e))?;
     rendered.map_err(|e| WorkerError::start(&what, e))?;
     Ok(measured.map_err(|e| WorkerError::start("measure a probe render", e))?.peak)
 }
