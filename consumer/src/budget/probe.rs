@@ -222,6 +222,16 @@ mod tests {
         let quick = PeakSampler::start(Duration::from_secs(60), 50, || Some(70));
         assert_eq!(quick.finish(), 70);
     }
+
+    #[test]
+    fn a_render_is_cold_when_little_was_held_at_its_start() {
+        // Arenas shrunk back to the models: the peak is the render's own.
+        assert!(Measured { peak: 6660, held_at_start: 0 }.cold());
+        assert!(Measured { peak: 6660, held_at_start: 300 }.cold());
+        // A larger job's cache still held: the peak says nothing about this shape.
+        assert!(!Measured { peak: 16726, held_at_start: 9000 }.cold());
+        assert!(!Measured { peak: 0, held_at_start: 1 }.cold());
+    }
 }
 
 /// Measures renders against one fixed baseline: the usage right after the models loaded.
