@@ -13,10 +13,11 @@
 //! with the image, not the batch, which a batch-only model cannot express.
 //!
 //! Least squares over the probe renders and recent observations, every part non-negative: the
-//! fit tries the model with every term and simpler ones, and keeps the closest whose parts are
-//! all non-negative, the simpler on a tie. A model of `k` terms needs `k + 1` distinct shapes
-//! (two for the two-term ones), so a few probes cannot be interpolated by a curve that
-//! extrapolates wildly.
+//! fit tries the full model and seven simpler ones (`MODELS`: each keeps the batch term, or is
+//! the fixed part alone), and keeps the closest whose parts are all non-negative, the simpler on
+//! a tie. Extra terms are not otherwise penalised: with noisy peaks the fullest model the shapes
+//! allow usually wins. A model of `k` terms needs `k + 1` distinct shapes (two for the two-term
+//! ones), so a few probes cannot be interpolated by a curve that extrapolates wildly.
 
 use std::collections::VecDeque;
 
@@ -196,21 +197,19 @@ const MODELS: [[bool; 4]; 8] = [
     [true, false, false, false],
 ];
 
+/// Shapes the model can tell apart: by latent pixels and images (1024x768 and 768x1024 are one).
 fn distinct_shapes(samples: &[Sample]) -> usize {
-    let mut shapes: Vec<Shape> = samples.iter().map(|s| s.shape).collect();
-    shapes.sort_by_key(|s| (s.width, s.height, s.images));
+    let mut shapes: Vec<(u64, u32)> = samples.iter().map(|s| (s.shape.latent_pixels(), s.shape.images)).collect();
+    shapes.sort_unstable();
     shapes.dedup();
     shapes.len()
 }
 
 /// The closest non-negative model the samples can determine (see the module documentation);
-/// `None` without samples, or when all have one size (no slope can be told).
+/// `None` with fewer than two distinct shapes (no slope can be told).
 fn fit(samples: &[Sample]) -> Option<Coefficients> {
     let distinct = distinct_shapes(samples);
-    let mut sizes: Vec<u64> = samples.iter().map(|s| s.shape.units() as u64).collect();
-    sizes.sort_unstable();
-    sizes.dedup();
-    if sizes.len() < 2 {
+    if distinct < 2 {
         return None;
     }
     let rows: Vec<([f64; 4], f64)> = samples.iter().map(|s| (features(s.shape), s.peak_bytes as f64)).collect();

@@ -13,8 +13,9 @@ use tracing::warn;
 
 use super::estimate::Estimate;
 
-/// Bumped when [`Estimate`]'s stored form changes; other versions are recalibrated.
-const FORMAT: u32 = 1;
+/// Bumped when [`Estimate`]'s stored form or what it measures changes; other versions are
+/// recalibrated. 2: four terms, probes from shrunk arenas.
+const FORMAT: u32 = 2;
 
 /// What an estimate is valid for.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]

@@ -17,11 +17,13 @@
 //! fetch loop). Where NVML cannot tell our usage (some containers), all of it counts as
 //! someone else's, which errs on the safe side.
 //!
-//! **Need.** A render of `images` images of `w x h` needs `a + b x (w/8)(h/8) x images x 2`
-//! bytes ([`Estimate`]): a fixed part and a part per latent pixel of the guidance batch. `a` and
-//! `b` are fitted to peaks measured at start and refined by every observed peak; a shape never
-//! gets less than it was seen to take. `safety` is added on top. Fits are stored per card, model
-//! and runtime ([`FingerprintStore`]), so a restart skips calibration.
+//! **Need.** A render of `images` images of `w x h` needs a fixed part, a part per latent pixel
+//! of the guidance batch (the UNet) and parts that grow with one image's latent pixels and their
+//! square (the VAE), bytes ([`Estimate`] has the model and why). They are fitted to probe renders
+//! at start and refined by every job whose render started from shrunk arenas (a peak above an
+//! earlier job's cache says nothing of this shape); a shape never gets less than it was seen to
+//! take. `safety` is added on top. Fits are stored per card, model and runtime
+//! ([`FingerprintStore`]), so a restart skips calibration.
 //!
 //! **Steps cost time, not memory.** A denoising step overwrites the same latent and reuses the
 //! same activations as the step before; nothing accumulates across steps. So the step count is

@@ -126,9 +126,14 @@ pub struct PipelineOptions {
 }
 
 impl PipelineOptions {
+    /// Whether the UNet's session captures CUDA graphs (`[cuda] graph`).
+    fn captures_graphs(&self) -> bool {
+        matches!(self.device, Device::Cuda { tuning, .. } if tuning.graph)
+    }
+
     /// Whether the UNet loop binds fixed buffers: asked for, or needed by CUDA graphs.
     fn fixed_buffers(&self) -> bool {
-        self.fixed_unet_buffers || matches!(self.device, Device::Cuda { tuning, .. } if tuning.graph)
+        self.fixed_unet_buffers || self.captures_graphs()
     }
 }
 

@@ -9,6 +9,12 @@
 //! step exactly as diffusers does, so it agrees with the host step to the last bits that float
 //! order allows (tested). The host step remains for v-prediction and for traced renders (the
 //! parity tests read the latents after every step).
+//!
+//! CUDA graphs (`[cuda] graph`): every call of a latent shape binds the same buffers
+//! (`GraphBuffers`), so the graph captured on the shape's first call replays on the addresses it
+//! recorded; the step graph writes the next sample into the buffer the UNet reads, and only the
+//! timestep is copied in per step. Such a session never shrinks the UNet's arena (a captured
+//! graph keeps its regions): `Pipeline::shrink_arenas` then gives back the other graphs' only.
 
 use std::ops::ControlFlow;
 
@@ -34,7 +40,7 @@ pub(crate) struct Unet {
     encoder_hidden_states: Port,
     text_embeds: Port,
     time_ids: Port,
-    output: String,
+    output: Port,
     /// Latent channels when the graph fixes them (4 for SDXL).
     pub latent_channels: Option<usize>,
     /// Guidance + Euler step on the device, for the UNet's float type.
@@ -111,12 +117,11 @@ impl Unet {
             .first()
             .filter(|o| o.rank() == 4)
             .ok_or_else(|| session.graph_err("expected one 4-D output (out_sample)".into()))?
-            .name
             .clone();
         let latent_channels = usize::try_from(sample.dims[1]).ok();
         let steps = StepGraphs::load(env, sample.elem, options)?;
         let graphs = options.fixed_buffers().then(|| Mutex::new(Vec::new()));
-        let graphs_captured = matches!(options.device, Device::Cuda { tuning, .. } if tuning.graph);
+        let graphs_captured = options.captures_graphs();
         Ok(Unet { session, sample, timestep, encoder_hidden_states, text_embeds, time_ids, output, latent_channels, steps, graphs, graphs_captured })
     }
 
@@ -200,7 +205,9 @@ impl Unet {
                     return self.steps_captured(&mut session, buffers, step_graph, run, &conditioning, latents, on_step);
                 }
             }
-            uncaptured = Some(run.runs.for_graph(-1)?);
+            if self.graphs_captured {
+                uncaptured = Some(run.runs.for_graph(-1)?);
+            }
         }
         let options = |is_last: bool| match &uncaptured {
             Some(options) => options.as_ref(),
@@ -233,7 +240,7 @@ impl Unet {
             let timestep = timestep_tensor(&self.timestep, t, batch).map_err(err)?;
             binding.bind_input(self.sample.name.as_str(), &sample).map_err(err)?;
             binding.bind_input(self.timestep.name.as_str(), &timestep).map_err(err)?;
-            binding.bind_output_to_device(self.output.as_str(), &host).map_err(err)?;
+            binding.bind_output_to_device(self.output.name.as_str(), &host).map_err(err)?;
 
             run.runs.check(Stage::Unet)?;
             let outputs = session.run_binding_with_options(&binding, options(i + 1 == steps)).map_err(err)?;
@@ -241,7 +248,7 @@ impl Unet {
             if shape != [batch, c, h, w] {
                 return Err(RenderError::Output {
                     stage: Stage::Unet,
-                    detail: format!("{} has shape {shape:?}, expected {:?}", self.output, [batch, c, h, w]),
+                    detail: format!("{} has shape {shape:?}, expected {:?}", self.output.name, [batch, c, h, w]),
                 });
             }
             drop(outputs);
@@ -290,10 +297,10 @@ impl Unet {
             let timestep = timestep_tensor(&self.timestep, run.schedule.timesteps[i], batch).map_err(err)?;
             binding.bind_input(self.sample.name.as_str(), &sample).map_err(err)?;
             binding.bind_input(self.timestep.name.as_str(), &timestep).map_err(err)?;
-            binding.bind_output_to_device(self.output.as_str(), &device).map_err(err)?;
+            binding.bind_output_to_device(self.output.name.as_str(), &device).map_err(err)?;
             run.runs.check(Stage::Unet)?;
             let mut outputs = session.run_binding_with_options(binding, options(i + 1 == steps)).map_err(err)?;
-            let noise = outputs.remove(self.output.as_str()).ok_or_else(|| missing(&self.output))?;
+            let noise = outputs.remove(self.output.name.as_str()).ok_or_else(|| missing(&self.output.name))?;
             drop(outputs);
 
             step_binding.bind_input("noise_pred", &noise).map_err(err)?;
@@ -339,8 +346,10 @@ impl Unet {
         binding.bind_input(self.time_ids.name.as_str(), &buffers.time_ids).map_err(err)?;
         binding.bind_input(self.sample.name.as_str(), &buffers.sample).map_err(err)?;
         binding.bind_input(self.timestep.name.as_str(), &buffers.timestep).map_err(err)?;
-        binding.bind_output(self.output.as_str(), &mut buffers.noise).map_err(err)?;
-        let options = if self.graphs_captured { Some(run.runs.for_graph(buffers.id)?) } else { None };
+        binding.bind_output(self.output.name.as_str(), &mut buffers.noise).map_err(err)?;
+        // Captured: every call names its graph and never shrinks (the graph keeps its arena's
+        // addresses). Uncaptured (the CPU, or fixed buffers alone): the plain loop's options.
+        let captured = if self.graphs_captured { Some(run.runs.for_graph(buffers.id)?) } else { None };
 
         let device = buffers.place.memory().map_err(err)?;
         let mut current = buffers.place.resident(Tensor::from_array((vec![n, c, h, w], latents.to_vec())).map_err(err)?.upcast()).map_err(err)?.into_dyn();
@@ -352,7 +361,7 @@ impl Unet {
         for i in 0..steps {
             timestep_tensor(&self.timestep, run.schedule.timesteps[i], batch).map_err(err)?.copy_into(&mut buffers.timestep).map_err(err)?;
             run.runs.check(Stage::Unet)?;
-            let options = options.as_deref().unwrap_or_else(|| run.runs.plain());
+            let options = captured.as_deref().unwrap_or_else(|| run.runs.last(run.shrink_arena && i + 1 == steps));
             drop(session.run_binding_with_options(&binding, options).map_err(err)?);
             let mut stepped = self.step(&mut step_session, &mut step_binding, run, i, &current, &device)?;
             current = stepped.remove("latents_next").ok_or_else(|| missing("latents_next"))?;
@@ -427,7 +436,6 @@ impl Unet {
         };
         let GraphKey { batch, c, h, w, seq_len, dim, pooled } = key;
         let timestep_shape: Vec<usize> = if self.timestep.rank() == 0 { vec![] } else { vec![batch] };
-        let noise_port = Port { name: self.output.clone(), elem: self.sample.elem, dims: Vec::new() };
         let buffers = GraphBuffers {
             key,
             id: graphs.len() as i32,
@@ -436,7 +444,7 @@ impl Unet {
             encoder_hidden_states: tensor(&self.encoder_hidden_states, &[batch, seq_len, dim])?,
             text_embeds: tensor(&self.text_embeds, &[batch, pooled])?,
             time_ids: tensor(&self.time_ids, &[batch, 6])?,
-            noise: tensor(&noise_port, &[batch, c, h, w])?,
+            noise: tensor(&self.output, &[batch, c, h, w])?,
             place: place.clone(),
             _allocator: allocator,
         };

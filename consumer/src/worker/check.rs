@@ -43,8 +43,11 @@ pub fn parse_shapes(text: &str, limits: &Limits) -> Result<Vec<Shape>, String> {
             if width == 0 || height == 0 || width % 8 != 0 || height % 8 != 0 {
                 return Err(bad("has a side that is not a positive multiple of 8"));
             }
-            if width.max(height) > limits.max_side || images == 0 || images > limits.max_images {
-                return Err(bad(&format!("is outside the job limits (sides up to {}, 1 to {} images)", limits.max_side, limits.max_images)));
+            if width.min(height) < limits.min_side || width.max(height) > limits.max_side || images == 0 || images > limits.max_images {
+                return Err(bad(&format!(
+                    "is outside the job limits (sides {} to {}, 1 to {} images)",
+                    limits.min_side, limits.max_side, limits.max_images
+                )));
             }
             Ok(Shape::new(width, height, images))
         })
@@ -88,7 +91,7 @@ mod tests {
     fn shapes_parse_and_bad_ones_are_named() {
         let limits = Limits::default();
         assert_eq!(parse_shapes("512x512x1, 1152x896x3", &limits).unwrap(), vec![Shape::new(512, 512, 1), Shape::new(1152, 896, 3)]);
-        for (text, says) in [("512x512", "three numbers"), ("512x500x1", "multiple of 8"), ("axbxc", "not a shape"), ("", "no shapes"), ("512x512x0", "job limits")] {
+        for (text, says) in [("512x512", "three numbers"), ("512x500x1", "multiple of 8"), ("axbxc", "not a shape"), ("", "no shapes"), ("512x512x0", "job limits"), ("8x8x1", "job limits")] {
             let err = parse_shapes(text, &limits).unwrap_err();
             assert!(err.contains(says), "{text:?}: {err}");
         }

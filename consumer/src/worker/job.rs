@@ -470,13 +470,18 @@ async fn settle_stop(shared: &Shared, delivery: &Delivery, job: &ShotJob, failur
 /// The GPU is broken for this process: stop the worker, and give the job back (or, when it was
 /// present at repeated faults, fail it with reason `driver`).
 async fn driver_fault(shared: &Shared, delivery: &Delivery, job: &ShotJob, detail: &str) -> JobOutcome {
-    shared.driver_fault(Some(&job.job_id), detail).await;
-    if delivery.attempt >= shared.config.driver_fault_attempts {
+    let outcome = if delivery.attempt >= shared.config.driver_fault_attempts {
         failed::fail(shared, delivery, Some(&job.job_id), FailureReason::Driver, detail).await;
-        return JobOutcome::Failed;
-    }
-    delivery.nak(None).await;
-    JobOutcome::Nak
+        JobOutcome::Failed
+    } else {
+        delivery.nak(None).await;
+        JobOutcome::Nak
+    };
+    // After the nak: stopping the worker flushes the connection, so the nak reaches the server
+    // before the process exits. Naked after the stop, it could still be unsent at exit on a
+    // loaded machine (seen in CI), and the job then waited out `ack_wait`.
+    shared.driver_fault(Some(&job.job_id), detail).await;
+    outcome
 }
 
 /// A failure that may pass: nak with backoff, or on the last allowed delivery, a failed record
