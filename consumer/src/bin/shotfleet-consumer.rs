@@ -124,7 +124,7 @@ async fn check_budget(config: &WorkerConfig, shapes: &str) -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let (ready, checked) = match check::check_budget(config, &shapes).await {
+    let (checked, summary) = match check::check_budget(config, &shapes).await {
         Ok(done) => done,
         Err(e) => {
             eprintln!("shotfleet-consumer: {e}");
@@ -134,19 +134,7 @@ async fn check_budget(config: &WorkerConfig, shapes: &str) -> ExitCode {
     for row in &checked {
         println!("{}", serde_json::to_string(row).expect("plain numbers serialize"));
     }
-    let estimate = ready.budget.estimate();
-    let max_abs_error = checked.iter().map(|r| r.error.abs()).fold(0.0, f64::max);
-    let summary = serde_json::json!({"summary": {
-        "shapes": checked.len(),
-        "max_abs_error": max_abs_error,
-        "within_10pct": checked.iter().filter(|r| r.error.abs() <= 0.10).count(),
-        "coefficients": estimate.coefficients(),
-        "calibration": estimate.calibration().iter().map(|s| serde_json::json!({
-            "width": s.shape.width, "height": s.shape.height, "images": s.shape.images,
-            "peak_mib": s.peak_bytes as f64 / shotfleet_consumer::budget::MIB as f64,
-        })).collect::<Vec<_>>(),
-    }});
-    println!("{summary}");
+    println!("{}", serde_json::json!({ "summary": summary }));
     ExitCode::SUCCESS
 }
 

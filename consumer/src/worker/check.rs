@@ -9,7 +9,7 @@ use shotfleet_schema::Limits;
 use crate::budget::{MIB, Shape};
 use crate::config::WorkerConfig;
 use crate::worker::WorkerError;
-use crate::worker::startup::{self, Ready};
+use crate::worker::startup;
 
 /// One checked shape.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
@@ -58,11 +58,48 @@ pub fn parse_shapes(text: &str, limits: &Limits) -> Result<Vec<Shape>, String> {
     Ok(shapes)
 }
 
+/// What the check found, after the rows: how close the estimate came, and what it was fitted on.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct CheckSummary {
+    pub shapes: usize,
+    pub max_abs_error: f64,
+    pub within_10pct: usize,
+    pub coefficients: crate::budget::Coefficients,
+    /// The probe renders the estimate was fitted on.
+    pub calibration: Vec<ProbePeak>,
+}
+
+/// One probe render's peak.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct ProbePeak {
+    pub width: u32,
+    pub height: u32,
+    pub images: u32,
+    pub peak_mib: f64,
+}
+
+impl CheckSummary {
+    pub fn of(checked: &[CheckedShape], estimate: &crate::budget::Estimate) -> Self {
+        let mib = MIB as f64;
+        Self {
+            shapes: checked.len(),
+            max_abs_error: checked.iter().map(|r| r.error.abs()).fold(0.0, f64::max),
+            within_10pct: checked.iter().filter(|r| r.error.abs() <= 0.10).count(),
+            coefficients: estimate.coefficients(),
+            calibration: estimate
+                .calibration()
+                .iter()
+                .map(|s| ProbePeak { width: s.shape.width, height: s.shape.height, images: s.shape.images, peak_mib: s.peak_bytes as f64 / mib })
+                .collect(),
+        }
+    }
+}
+
 /// Starts as the worker would (load, calibrate, fitness render), then measures every shape.
 ///
 /// # Errors
 /// [`WorkerError::Start`] when start-up or a check render fails (out of memory included).
-pub async fn check_budget(config: &WorkerConfig, shapes: &[Shape]) -> Result<(Ready, Vec<CheckedShape>), WorkerError> {
+pub async fn check_budget(config: &WorkerConfig, shapes: &[Shape]) -> Result<(Vec<CheckedShape>, CheckSummary), WorkerError> {
     let ready = startup::prepare(config).await?;
     let mut checked = Vec::with_capacity(shapes.len());
     for &shape in shapes {
@@ -80,7 +117,8 @@ pub async fn check_budget(config: &WorkerConfig, shapes: &[Shape]) -> Result<(Re
             error: (observed - predicted) / predicted.max(1.0),
         });
     }
-    Ok((ready, checked))
+    let summary = CheckSummary::of(&checked, &ready.budget.estimate());
+    Ok((checked, summary))
 }
 
 #[cfg(test)]
