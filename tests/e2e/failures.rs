@@ -121,12 +121,12 @@ async fn a_driver_fault_stops_the_worker_and_another_takes_the_job() {
     assert_eq!(event["worker"], "sick");
     assert_eq!(event["job_id"], "fault-1");
     assert!(event["detail"].as_str().unwrap().contains("CUDA failure 999"));
-    // Naked at once, not after ack_wait: a healthy worker finishes it.
-    let started = Instant::now();
+    // Naked at once, not after ack_wait (60 s): a healthy worker fetches it well before, however
+    // long its start and render take on a loaded machine (`queue_ms`: publish to its fetch).
     let _healthy = Worker::start(&server.url(), WorkerSpec::new("healthy", store.path()));
-    let result = results(&outcomes(&js, &[s], Duration::from_secs(30)).await).remove(0);
+    let result = results(&outcomes(&js, &[s], Duration::from_secs(150)).await).remove(0);
     assert_eq!(result.worker, "healthy");
-    assert!(started.elapsed() < Duration::from_secs(30));
+    assert!(result.timing.queue_ms < 50_000, "fetched {} ms after publishing: the nak was not immediate", result.timing.queue_ms);
 }
 
 #[tokio::test]
