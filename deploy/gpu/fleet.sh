@@ -86,17 +86,7 @@ source "$REPO/deploy/gpu/fleet-lib.sh"
 px() { echo $(($1 / SCALE)); }   # a side at SDXL scale -> this device's
 wanted() { case "$RUNS" in *",$1,"*) return 0 ;; *) return 1 ;; esac; }   # FLEET_RUNS names it
 
-shapes_toml() {  # "512x512x1,768x768x1" -> [[512, 512, 1], [768, 768, 1]] (sides scaled)
-    local out='' s w h n
-    IFS=, read -r -a list <<< "$1"
-    for s in "${list[@]}"; do
-        IFS=x read -r w h n <<< "$s"
-        out+="${out:+, }[$(px "$w"), $(px "$h"), $n]"
-    done
-    echo "[$out]"
-}
-
-shapes_arg() {  # the same list, sides scaled, for --check-budget
+shapes_arg() {  # "512x512x1,768x768x1" with the sides scaled, for --check-budget
     local out='' s w h n
     IFS=, read -r -a list <<< "$1"
     for s in "${list[@]}"; do
@@ -104,6 +94,10 @@ shapes_arg() {  # the same list, sides scaled, for --check-budget
         out+="${out:+,}$(px "$w")x$(px "$h")x$n"
     done
     echo "$out"
+}
+
+shapes_toml() {  # the same list as TOML: [[512, 512, 1], [768, 768, 1]] (sides scaled)
+    echo "[$(shapes_arg "$1" | sed -E 's/([0-9]+)x([0-9]+)x([0-9]+)/[\1, \2, \3]/g; s/\],\[/], [/g')]"
 }
 
 # write_config FILE TOP TABLES: TOP (top-level keys) before fleet.toml, TABLES after it. On the

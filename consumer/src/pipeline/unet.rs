@@ -202,7 +202,7 @@ impl Unet {
                 let key = GraphKey { batch, c, h, w, seq_len: pos.seq_len, dim: pos.dim, pooled: pos.pooled.len() };
                 let mut graphs = graphs.lock().unwrap_or_else(|p| p.into_inner());
                 if let Some(buffers) = self.graph_buffers(&mut graphs, key, &session, &place).map_err(err)? {
-                    return self.steps_captured(&mut session, buffers, step_graph, run, &conditioning, latents, on_step);
+                    return self.steps_captured(&mut session, buffers, step_graph, run, &place, &conditioning, latents, on_step);
                 }
             }
             if self.graphs_captured {
@@ -285,11 +285,11 @@ impl Unet {
         on_step: &mut dyn FnMut(StepProgress) -> ControlFlow<()>,
     ) -> Result<(), RenderError> {
         let err = run.runs.err(Stage::Unet);
-        let [n, c, h, w] = run.latent_shape;
+        let n = run.latent_shape[0];
         let batch = self.batch_of(graph, n);
         let device = place.memory().map_err(err)?;
         let mut sample = place.resident(self.first_sample(run, batch, latents)?).map_err(err)?.into_dyn();
-        let mut current = place.resident(Tensor::from_array((vec![n, c, h, w], latents.to_vec())).map_err(err)?.upcast()).map_err(err)?.into_dyn();
+        let mut current = resident_latents(run, place, latents)?;
         let mut step_session = graph.lock();
         let mut step_binding = step_session.create_binding().map_err(err)?;
         let steps = run.schedule.len();
@@ -327,12 +327,13 @@ impl Unet {
         buffers: &mut GraphBuffers,
         graph: &ModelSession,
         run: &Denoise<'_>,
+        place: &Place,
         conditioning: &[DynTensor; 3],
         latents: &mut [f32],
         on_step: &mut dyn FnMut(StepProgress) -> ControlFlow<()>,
     ) -> Result<(), RenderError> {
         let err = run.runs.err(Stage::Unet);
-        let [n, c, h, w] = run.latent_shape;
+        let n = run.latent_shape[0];
         let batch = self.batch_of(graph, n);
         let [ehs, pooled, time_ids] = conditioning;
         ehs.copy_into(&mut buffers.encoder_hidden_states).map_err(err)?;
@@ -351,8 +352,8 @@ impl Unet {
         // addresses). Uncaptured (the CPU, or fixed buffers alone): the plain loop's options.
         let captured = if self.graphs_captured { Some(run.runs.for_graph(buffers.id)?) } else { None };
 
-        let device = buffers.place.memory().map_err(err)?;
-        let mut current = buffers.place.resident(Tensor::from_array((vec![n, c, h, w], latents.to_vec())).map_err(err)?.upcast()).map_err(err)?.into_dyn();
+        let device = place.memory().map_err(err)?;
+        let mut current = resident_latents(run, place, latents)?;
         let mut step_session = graph.lock();
         let mut step_binding = step_session.create_binding().map_err(err)?;
         step_binding.bind_input("noise_pred", &buffers.noise).map_err(err)?;
@@ -445,7 +446,6 @@ impl Unet {
             text_embeds: tensor(&self.text_embeds, &[batch, pooled])?,
             time_ids: tensor(&self.time_ids, &[batch, 6])?,
             noise: tensor(&self.output, &[batch, c, h, w])?,
-            place: place.clone(),
             _allocator: allocator,
         };
         graphs.push(buffers);
@@ -485,7 +485,6 @@ struct GraphBuffers {
     text_embeds: DynTensor,
     time_ids: DynTensor,
     noise: DynTensor,
-    place: Place,
     /// Declared last: dropped after the tensors it allocated.
     _allocator: Allocator,
 }
@@ -533,6 +532,14 @@ fn progress(run: &Denoise<'_>, i: usize, n: usize, on_step: &mut dyn FnMut(StepP
     let steps = run.schedule.len() as u32;
     let progress = StepProgress { step: i as u32 + 1, steps, images: n as u32, images_done: 0 };
     on_step(progress).is_break().then_some(RenderError::Cancelled { steps_done: i as u32 + 1 })
+}
+
+/// The latents as the step graph takes them (f32 `[n, c, h, w]`), on the render's device.
+fn resident_latents(run: &Denoise<'_>, place: &Place, latents: &[f32]) -> Result<DynValue, RenderError> {
+    let err = run.runs.err(Stage::Unet);
+    let [n, c, h, w] = run.latent_shape;
+    let host = Tensor::from_array((vec![n, c, h, w], latents.to_vec())).map_err(err)?;
+    Ok(place.resident(host.upcast()).map_err(err)?.into_dyn())
 }
 
 /// The final latents back to the host for the VAE (a no-op copy on the CPU provider).
