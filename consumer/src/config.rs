@@ -18,7 +18,8 @@
 //! [nats]      server = "nats://nats:4222", creds = "/etc/shotfleet/worker.creds"
 //! [store]     url = "s3://renders/shotfleet", endpoint = "http://minio:9000"
 //! [budget]    max_fill = 0.9, reserve_mib = 512
-//! [cuda]      conv_algo_search = "heuristic", fuse_conv_bias = true, graph = false
+//! [cuda.unet] conv_algo_search = "heuristic", fuse_conv_bias = true, graph = false
+//! [cuda.vae]  conv_max_workspace = false
 //! [telemetry] listen = "0.0.0.0:9400"
 //! [priorities] p1_max_wait = "20s", p2_max_wait = "60s"
 //! ```
@@ -35,7 +36,7 @@ use shotfleet_schema::{Limits, MemoryClass, Priority};
 
 use crate::budget::BudgetConfig;
 use crate::faults::FaultConfig;
-use crate::pipeline::CudaTuning;
+use crate::pipeline::CudaConfig;
 use crate::store::StoreConfig;
 use crate::telemetry::TelemetryConfig;
 use crate::worker::degrade::DegradeConfig;
@@ -180,8 +181,8 @@ pub struct WorkerConfig {
     /// Caps ONNX Runtime's CPU arena (MiB), so a CPU worker runs out of memory for real where a
     /// small card would: for tests and rehearsals of the degrade ladder. Unset: uncapped.
     pub cpu_arena_max_mib: Option<u64>,
-    /// The CUDA provider's speed options (`device = "cuda"` only).
-    pub cuda: CudaTuning,
+    /// The CUDA provider's options per graph (`device = "cuda"` only).
+    pub cuda: CudaConfig,
     /// The degrade ladder's lower end for jobs without a floor.
     pub degrade: DegradeConfig,
     /// A job present at this many deliveries when a driver fault strikes goes to the failed
@@ -219,7 +220,7 @@ impl Default for WorkerConfig {
             idle_poll: Span(Duration::from_millis(100)),
             intra_threads: None,
             cpu_arena_max_mib: None,
-            cuda: CudaTuning::default(),
+            cuda: CudaConfig::default(),
             degrade: DegradeConfig::default(),
             driver_fault_attempts: 3,
             leak_guard: LeakGuardConfig::default(),
@@ -390,15 +391,21 @@ impl WorkerConfig {
             }
             _ => {}
         }
-        if self.device == DeviceKind::Cpu && self.cuda != CudaTuning::default() {
-            return Err(bad("cuda", "these options are for `device = \"cuda\"`; remove the [cuda] table from a CPU worker's config"));
+        if self.device == DeviceKind::Cpu && self.cuda != CudaConfig::default() {
+            return Err(bad("cuda", "these options are for `device = \"cuda\"`; remove the [cuda.*] tables from a CPU worker's config"));
+        }
+        if self.cuda.vae.graph {
+            return Err(bad(
+                "cuda.vae.graph",
+                "CUDA graphs are for the UNet (`[cuda.unet] graph`), which runs once per step at a fixed shape; the VAE runs once per render",
+            ));
         }
         if self.device == DeviceKind::Cpu && self.faults.arena_limit_mib.is_some() {
             return Err(bad("faults.arena_limit_mib", "caps the CUDA arena; a CPU worker caps its arena with `cpu_arena_max_mib`"));
         }
-        if self.cuda.graph && self.concurrency > 1 {
+        if self.cuda.unet.graph && self.concurrency > 1 {
             return Err(bad(
-                "cuda.graph",
+                "cuda.unet.graph",
                 "needs `concurrency = 1`: a CUDA graph is captured while the UNet runs, and another render's allocations on the GPU at that moment break the capture",
             ));
         }

@@ -80,10 +80,15 @@ fn bad_settings_are_named() {
     let e = error(&cpu("", "[calibration]\nshapes = [[64, 64, 1]]\n"), &with_model, Overrides::default());
     assert!(e.contains("calibration.shapes"), "{e}");
     // CUDA options and the CUDA arena fault belong to CUDA workers; a typo'd option is named.
-    let e = error(&cpu("", "[cuda]\nfuse_conv_bias = true\n"), &with_model, Overrides::default());
-    assert!(e.contains("cuda") && e.contains("remove the [cuda] table"), "{e}");
-    let e = error(&cpu("", "[cuda]\nconv_algo_search = \"fastest\"\n"), &with_model, Overrides::default());
+    let e = error(&cpu("", "[cuda.unet]\nfuse_conv_bias = true\n"), &with_model, Overrides::default());
+    assert!(e.contains("cuda") && e.contains("remove the [cuda.*] tables"), "{e}");
+    let e = error(&cpu("", "[cuda.vae]\nconv_algo_search = \"fastest\"\n"), &with_model, Overrides::default());
     assert!(e.contains("unknown variant `fastest`") && e.contains("heuristic"), "{e}");
+    // Options are per graph: the flat table of earlier releases is refused with the tables' names.
+    let e = error(&cpu("", "[cuda]\nconv_algo_search = \"heuristic\"\n"), &with_model, Overrides::default());
+    assert!(e.contains("unknown field `conv_algo_search`") && e.contains("unet") && e.contains("vae"), "{e}");
+    let e = error("device = \"cuda\"\n[cuda.vae]\ngraph = true\n", &with_model, Overrides::default());
+    assert!(e.contains("cuda.vae.graph") && e.contains("[cuda.unet] graph"), "{e}");
     let e = error(&cpu("", "[faults]\narena_limit_mib = 512\n"), &with_model, Overrides::default());
     assert!(e.contains("faults.arena_limit_mib") && e.contains("cpu_arena_max_mib"), "{e}");
 }

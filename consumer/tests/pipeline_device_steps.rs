@@ -44,7 +44,7 @@ fn device_steps_match_host_steps() {
     }
 }
 
-/// The loop on fixed buffers per shape (what `[cuda] graph` replays; here without a capture)
+/// The loop on fixed buffers per shape (what `[cuda.unet] graph` replays; here without a capture)
 /// renders the same bytes as the loop that binds fresh tensors, for every shape it meets: the
 /// first call of a shape makes its buffers, later calls and other shapes reuse or add theirs.
 #[test]

@@ -67,23 +67,46 @@ pub enum Device {
     Cpu,
     /// CUDA execution provider (needs the `cuda` feature). `mem_limit_bytes` caps ONNX Runtime's
     /// arena on that GPU (`gpu_mem_limit`, per session): the worker's budget.
-    Cuda { gpu: u32, mem_limit_bytes: Option<u64>, tuning: CudaTuning },
+    Cuda { gpu: u32, mem_limit_bytes: Option<u64>, cuda: CudaConfig },
 }
 
-/// The CUDA provider's speed options for the UNet (`[cuda]` in the worker's config; the other
-/// graphs keep ONNX Runtime's defaults). Defaults are ONNX Runtime's own; what each is worth on
-/// an H200 is in deploy/gpu/RESULTS.md.
+/// The CUDA provider's options per graph: `[cuda.unet]` and `[cuda.vae]` in the worker's config.
+/// The text encoders keep ONNX Runtime's defaults (they run once per render, at one shape).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct CudaConfig {
+    /// The speed options, measured on the UNet at fixed shapes (deploy/gpu/RESULTS.md).
+    pub unet: CudaTuning,
+    /// The VAE decoder: its convolutions over full-size images are where cuDNN's algorithm
+    /// search asks for the largest workspaces (`conv_max_workspace`). `graph` is refused here.
+    pub vae: CudaTuning,
+}
+
+/// One graph's CUDA provider options. Defaults are ONNX Runtime's own.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct CudaTuning {
     /// How cuDNN picks convolution algorithms.
     pub conv_algo_search: ConvSearch,
+    /// Let cuDNN's search and the chosen algorithms use as much workspace as the fastest
+    /// algorithm wants (`cudnn_conv_use_max_workspace`, ONNX Runtime's default). During the
+    /// exhaustive search of a new shape ONNX Runtime allocates from the arena the largest
+    /// workspace any algorithm asks for (up to 90% of the free memory), which the arena then
+    /// keeps: a first render of a new shape can peak far above later ones (+39% for a
+    /// 1152x896 VAE decode on the H200). `false` caps it at ONNX Runtime's 32 MiB.
+    pub conv_max_workspace: bool,
     /// Fuse a convolution's bias (and activation) into the cuDNN call. Measured only at one
     /// fixed shape; see `ModelSession::load_unet` for what happened with it on every graph.
     pub fuse_conv_bias: bool,
     /// Replay the UNet as a CUDA graph: captured on the first call of each latent shape, into
     /// fixed device buffers that later calls of that shape reuse (see `unet::GraphBuffers`).
     pub graph: bool,
+}
+
+impl Default for CudaTuning {
+    fn default() -> Self {
+        Self { conv_algo_search: ConvSearch::default(), conv_max_workspace: true, fuse_conv_bias: false, graph: false }
+    }
 }
 
 /// cuDNN's convolution algorithm search (`cudnn_conv_algo_search`).
@@ -120,15 +143,15 @@ pub struct PipelineOptions {
     /// The first pipeline of a process loads it; later ones share it.
     pub ort_library: Option<PathBuf>,
     /// Bind the UNet's inputs and output to fixed buffers per latent shape, as CUDA graphs need.
-    /// `[cuda] graph` turns this on with the capture; alone (on the CPU) it runs the same
+    /// `[cuda.unet] graph` turns this on with the capture; alone (on the CPU) it runs the same
     /// buffer plumbing without one, which is how CI tests it.
     pub fixed_unet_buffers: bool,
 }
 
 impl PipelineOptions {
-    /// Whether the UNet's session captures CUDA graphs (`[cuda] graph`).
+    /// Whether the UNet's session captures CUDA graphs (`[cuda.unet] graph`).
     fn captures_graphs(&self) -> bool {
-        matches!(self.device, Device::Cuda { tuning, .. } if tuning.graph)
+        matches!(self.device, Device::Cuda { cuda, .. } if cuda.unet.graph)
     }
 
     /// Whether the UNet loop binds fixed buffers: asked for, or needed by CUDA graphs.
@@ -205,6 +228,13 @@ pub struct StageTimings {
     pub unet: Duration,
     pub vae: Duration,
     pub png: Duration,
+}
+
+impl StageTimings {
+    /// The render's whole time in the stages (what is outside them is bookkeeping).
+    pub fn total(&self) -> Duration {
+        self.text_encode + self.unet + self.vae + self.png
+    }
 }
 
 #[derive(Debug, Clone)]

@@ -228,30 +228,35 @@ impl ModelSession {
     /// [`LoadError::MissingFile`], [`LoadError::Session`] when ONNX Runtime refuses the file, or
     /// [`LoadError::Graph`] when an input or output has a type the pipeline cannot feed.
     pub(crate) fn load(env: &Environment, path: &Path, options: &PipelineOptions) -> Result<ModelSession, LoadError> {
-        Self::load_file(env, path, options, false)
+        Self::load_file(env, path, options, Role::Plain)
     }
 
-    /// Loads the UNet: the one graph the `[cuda]` speed options apply to (they were measured on
-    /// it, at fixed shapes), CUDA graphs included. The other graphs keep ONNX Runtime's defaults:
-    /// on the 2026-11-30 lease a worker with `fuse_conv_bias` on every graph died with an illegal
-    /// memory access once shapes changed (deploy/gpu/RESULTS.md).
+    /// Loads the UNet with `[cuda.unet]`: the speed options were measured on it, at fixed
+    /// shapes, CUDA graphs included. On the 2026-11-30 lease a worker with `fuse_conv_bias` on
+    /// every graph died with an illegal memory access once shapes changed (deploy/gpu/RESULTS.md),
+    /// so each graph has its own table and the text encoders keep ONNX Runtime's defaults.
     pub(crate) fn load_unet(env: &Environment, path: &Path, options: &PipelineOptions) -> Result<ModelSession, LoadError> {
-        Self::load_file(env, path, options, true)
+        Self::load_file(env, path, options, Role::Unet)
     }
 
-    fn load_file(env: &Environment, path: &Path, options: &PipelineOptions, tuned: bool) -> Result<ModelSession, LoadError> {
+    /// Loads the VAE decoder with `[cuda.vae]`.
+    pub(crate) fn load_vae(env: &Environment, path: &Path, options: &PipelineOptions) -> Result<ModelSession, LoadError> {
+        Self::load_file(env, path, options, Role::Vae)
+    }
+
+    fn load_file(env: &Environment, path: &Path, options: &PipelineOptions, role: Role) -> Result<ModelSession, LoadError> {
         if !path.is_file() {
             return Err(LoadError::MissingFile { path: path.to_path_buf() });
         }
-        Self::build(env, path, None, options, tuned)
+        Self::build(env, path, None, options, role)
     }
 
     /// Loads a graph shipped inside the binary (`name` labels it in errors).
     pub(crate) fn load_bytes(env: &Environment, name: &Path, bytes: &[u8], options: &PipelineOptions) -> Result<ModelSession, LoadError> {
-        Self::build(env, name, Some(bytes), options, false)
+        Self::build(env, name, Some(bytes), options, Role::Plain)
     }
 
-    fn build(env: &Environment, path: &Path, bytes: Option<&[u8]>, options: &PipelineOptions, tuned: bool) -> Result<ModelSession, LoadError> {
+    fn build(env: &Environment, path: &Path, bytes: Option<&[u8]>, options: &PipelineOptions, role: Role) -> Result<ModelSession, LoadError> {
         let session_err = |source: ort::Error| LoadError::Session { path: path.to_path_buf(), source };
         let mut builder = Session::builder(env)
             .map_err(session_err)?
@@ -269,7 +274,7 @@ impl ModelSession {
             builder = builder.with_env_allocators().map_err(|e| session_err(e.into()))?;
             builder = builder.with_device_allocated_initializers().map_err(|e| session_err(e.into()))?;
         }
-        builder = configure_device(builder, &options.device, tuned).map_err(session_err)?;
+        builder = configure_device(builder, &options.device, role).map_err(session_err)?;
         let session = match bytes {
             Some(bytes) => builder.commit_from_memory(bytes),
             None => builder.commit_from_file(path),
@@ -349,11 +354,20 @@ fn port(path: &Path, name: &str, ty: &ValueType) -> Result<Port, LoadError> {
     Ok(Port { name: name.to_owned(), elem, dims: shape.iter().copied().collect() })
 }
 
+/// Which graph a session runs, for its CUDA options.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Role {
+    Unet,
+    Vae,
+    /// The text encoders and graphs shipped in the binary: ONNX Runtime's defaults.
+    Plain,
+}
+
 #[cfg(not(feature = "cuda"))]
 fn configure_device(
     builder: ort::session::builder::SessionBuilder,
     device: &Device,
-    _tuned: bool,
+    _role: Role,
 ) -> ort::Result<ort::session::builder::SessionBuilder> {
     match device {
         Device::Cpu => Ok(builder),
@@ -366,12 +380,12 @@ fn configure_device(
 /// CUDA, configured as DESIGN.md's "GPU memory" asks: the arena grows only by what is requested
 /// (no power-of-two overshoot eating the budget), is capped at the worker's budget, and weights
 /// live outside it so shrinking the arena after a large job returns activations only.
-/// `tuned`: apply the `[cuda]` speed options (the UNet's session, see `ModelSession::load_unet`).
+/// `role` picks the graph's `[cuda.*]` table (see `ModelSession::load_unet`).
 #[cfg(feature = "cuda")]
 fn configure_device(
     builder: ort::session::builder::SessionBuilder,
     device: &Device,
-    tuned: bool,
+    role: Role,
 ) -> ort::Result<ort::session::builder::SessionBuilder> {
     use ort::ep::cuda::ConvAlgorithmSearch;
     use ort::ep::{ArenaExtendStrategy, CUDA};
@@ -379,8 +393,12 @@ fn configure_device(
     use super::ConvSearch;
     match device {
         Device::Cpu => Ok(builder),
-        Device::Cuda { gpu, mem_limit_bytes, tuning } => {
-            let tuning = if tuned { *tuning } else { super::CudaTuning::default() };
+        Device::Cuda { gpu, mem_limit_bytes, cuda: config } => {
+            let tuning = match role {
+                Role::Unet => config.unet,
+                Role::Vae => config.vae,
+                Role::Plain => super::CudaTuning::default(),
+            };
             let search = match tuning.conv_algo_search {
                 ConvSearch::Exhaustive => ConvAlgorithmSearch::Exhaustive,
                 ConvSearch::Heuristic => ConvAlgorithmSearch::Heuristic,
@@ -390,6 +408,7 @@ fn configure_device(
                 .with_device_id(*gpu as i32)
                 .with_arena_extend_strategy(ArenaExtendStrategy::SameAsRequested)
                 .with_conv_algorithm_search(search)
+                .with_conv_max_workspace(tuning.conv_max_workspace)
                 .with_fuse_conv_bias(tuning.fuse_conv_bias)
                 .with_cuda_graph(tuning.graph);
             if let Some(limit) = mem_limit_bytes {

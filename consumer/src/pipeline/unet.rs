@@ -10,7 +10,7 @@
 //! order allows (tested). The host step remains for v-prediction and for traced renders (the
 //! parity tests read the latents after every step).
 //!
-//! CUDA graphs (`[cuda] graph`): every call of a latent shape binds the same buffers
+//! CUDA graphs (`[cuda.unet] graph`): every call of a latent shape binds the same buffers
 //! (`GraphBuffers`), so the graph captured on the shape's first call replays on the addresses it
 //! recorded; the step graph writes the next sample into the buffer the UNet reads, and only the
 //! timestep is copied in per step. Such a session never shrinks the UNet's arena (a captured
@@ -47,7 +47,7 @@ pub(crate) struct Unet {
     steps: StepGraphs,
     /// Fixed buffers per latent shape when the loop binds them (`PipelineOptions::fixed_unet_buffers`).
     graphs: Option<Mutex<Vec<GraphBuffers>>>,
-    /// Whether the session captures CUDA graphs on those buffers (`[cuda] graph`).
+    /// Whether the session captures CUDA graphs on those buffers (`[cuda.unet] graph`).
     graphs_captured: bool,
 }
 
@@ -317,7 +317,7 @@ impl Unet {
     }
 
     /// The loop on one shape's fixed buffers, replaying the CUDA graph captured on the shape's
-    /// first call (on the CPU, or with `[cuda] graph` off, the same loop without a graph). Each
+    /// first call (on the CPU, or with `[cuda.unet] graph` off, the same loop without a graph). Each
     /// step copies only the timestep in; the step graph writes the next sample into the buffer
     /// the UNet reads.
     #[allow(clippy::too_many_arguments)]

@@ -1,7 +1,8 @@
 //! `shotfleet-consumer --check-budget`: does the budget's memory model hold on this card?
 //!
 //! Loads and calibrates as a worker starts, then renders each listed shape from arenas shrunk
-//! back to the models and compares its peak with what the budget predicts for it. No NATS, no
+//! back to the models and compares its peak with what the budget predicts for it, and renders
+//! it once more to time a render of a known shape. No NATS, no
 //! store: an operator runs it on a new card, model or runtime before the worker serves.
 
 use shotfleet_schema::Limits;
@@ -24,6 +25,12 @@ pub struct CheckedShape {
     pub observed_mib: f64,
     /// `(observed - predicted) / predicted`: above 0 the estimate ran low.
     pub error: f64,
+    /// The first render of the shape, from shrunk arenas (cuDNN's algorithm search included).
+    pub first_ms: f64,
+    /// The same shape rendered again at once: what a job of it costs once the shape is known.
+    pub again_ms: f64,
+    /// That second render's VAE decode alone, which `[cuda.vae]` changes.
+    pub again_vae_ms: f64,
 }
 
 /// Parses `512x512x1,1536x1536x4`: width x height x images, each size a multiple of 8 (the
@@ -103,7 +110,10 @@ pub async fn check_budget(config: &WorkerConfig, shapes: &[Shape]) -> Result<(Ve
     let ready = startup::prepare(config).await?;
     let mut checked = Vec::with_capacity(shapes.len());
     for &shape in shapes {
-        let observed = startup::measure(&ready.pipeline, &ready.meter, shape, config.calibration.steps, true).await? as f64;
+        let steps = config.calibration.steps;
+        let first = startup::measure(&ready.pipeline, &ready.meter, shape, steps, true).await?;
+        let again = startup::measure(&ready.pipeline, &ready.meter, shape, steps, false).await?;
+        let observed = first.peak as f64;
         let predicted = ready.budget.estimate().need(shape) as f64;
         let planned = ready.budget.planned(shape.width, shape.height, shape.images) as f64;
         let mib = MIB as f64;
@@ -115,6 +125,9 @@ pub async fn check_budget(config: &WorkerConfig, shapes: &[Shape]) -> Result<(Ve
             planned_mib: planned / mib,
             observed_mib: observed / mib,
             error: (observed - predicted) / predicted.max(1.0),
+            first_ms: first.timings.total().as_secs_f64() * 1e3,
+            again_ms: again.timings.total().as_secs_f64() * 1e3,
+            again_vae_ms: again.timings.vae.as_secs_f64() * 1e3,
         });
     }
     let summary = CheckSummary::of(&checked, &ready.budget.estimate());

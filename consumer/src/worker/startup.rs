@@ -58,7 +58,7 @@ pub async fn prepare(config: &WorkerConfig) -> Result<Ready, WorkerError> {
             let mut samples = Vec::new();
             for &[w, h, n] in &config.calibration.shapes {
                 let shape = Shape::new(w, h, n);
-                let peak = measure(&pipeline, &meter, shape, config.calibration.steps, config.calibration.cold).await?;
+                let peak = measure(&pipeline, &meter, shape, config.calibration.steps, config.calibration.cold).await?.peak;
                 info!(width = w, height = h, images = n, peak_mib = peak as f64 / budget::MIB as f64, "probe render");
                 samples.push(Sample { shape, peak_bytes: peak });
             }
@@ -111,7 +111,7 @@ fn pipeline_options(config: &WorkerConfig, total: u64, free: u64) -> PipelineOpt
                 tracing::warn!(arena_limit_mib = mib, budget_cap_mib = limit / budget::MIB, "fault injection: the CUDA arena is capped below what the budget plans with");
                 limit = limit.min(mib * budget::MIB);
             }
-            Device::Cuda { gpu: config.gpu, mem_limit_bytes: Some(limit), tuning: config.cuda }
+            Device::Cuda { gpu: config.gpu, mem_limit_bytes: Some(limit), cuda: config.cuda }
         }
     };
     PipelineOptions {
@@ -127,7 +127,7 @@ fn pipeline_options(config: &WorkerConfig, total: u64, free: u64) -> PipelineOpt
 /// arena holding a smaller probe's regions would add them to a larger one's). The render itself
 /// runs as a job's does, every graph keeping its arena to the end: the peak is the text
 /// encoders', the UNet's and the VAE's arenas together, as a worker's first job of the shape.
-pub(crate) async fn measure(pipeline: &Arc<Pipeline>, meter: &Arc<PeakMeter>, shape: Shape, steps: u32, cold: bool) -> Result<u64, WorkerError> {
+pub(crate) async fn measure(pipeline: &Arc<Pipeline>, meter: &Arc<PeakMeter>, shape: Shape, steps: u32, cold: bool) -> Result<ProbeRender, WorkerError> {
     let pipeline = pipeline.clone();
     let meter = meter.clone();
     let request = RenderRequest {
@@ -150,8 +150,16 @@ pub(crate) async fn measure(pipeline: &Arc<Pipeline>, meter: &Arc<PeakMeter>, sh
     })
     .await?
     .map_err(|e| WorkerError::start("shrink the arenas before a probe", e))?;
-    rendered.map_err(|e| WorkerError::start(&what, e))?;
-    Ok(measured.map_err(|e| WorkerError::start("measure a probe render", e))?.peak)
+    let timings = rendered.map_err(|e| WorkerError::start(&what, e))?.timings;
+    let peak = measured.map_err(|e| WorkerError::start("measure a probe render", e))?.peak;
+    Ok(ProbeRender { peak, timings })
+}
+
+/// A probe render's peak memory above the models, bytes, and where its time went.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct ProbeRender {
+    pub peak: u64,
+    pub timings: crate::pipeline::StageTimings,
 }
 
 /// Runs blocking work (ONNX Runtime) off the async threads.
