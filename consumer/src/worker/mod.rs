@@ -266,6 +266,15 @@ pub async fn run(
         tracker.wait().await;
     }
     watching.store(true, std::sync::atomic::Ordering::Relaxed);
+    // async-nats's `drain` only queues the drain and returns; the process may exit before its
+    // buffer is written. Flush first, so the naks of the jobs cancelled above (and every result
+    // and ack before them) are on the server: a lost nak left a job waiting out `ack_wait` (a
+    // minute) on a loaded CI machine.
+    match tokio::time::timeout(Duration::from_secs(5), client.flush()).await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => warn!(error = %e, "flushing the NATS connection failed; naks may be lost"),
+        Err(_) => warn!("flushing the NATS connection took over 5 s; naks may be lost"),
+    }
     if let Err(e) = client.drain().await {
         warn!(error = %e, "draining the NATS connection failed");
     }
@@ -312,11 +321,16 @@ async fn fetch_loop(shared: &Arc<Shared>, consumers: &fetch::Consumers, tracker:
         if free > 0 {
             export_budget(&shared.budget);
             match shared.budget.admit(&shared.config.classes) {
-                Ok(admission) if !admission.classes().is_empty() => {
+                Ok(admission) => {
                     // Up to `batch_jobs` jobs per free slot: a slot renders one job, or one group
                     // of compatible jobs in shared batches.
                     let per_slot = shared.config.batch_jobs.max(1);
-                    let deliveries = consumers.next_jobs(&admission, free * per_slot, &mut scheduler).await;
+                    let deliveries = if admission.classes().is_empty() {
+                        Vec::new()
+                    } else {
+                        consumers.next_jobs(&admission, free * per_slot, &mut scheduler).await
+                    };
+                    let fetched_none = deliveries.is_empty();
                     let mut deliveries = deliveries.into_iter().peekable();
                     while deliveries.peek().is_some() {
                         let batch: Vec<_> = deliveries.by_ref().take(per_slot).collect();
@@ -335,19 +349,22 @@ async fn fetch_loop(shared: &Arc<Shared>, consumers: &fetch::Consumers, tracker:
                             finished.notify_one();
                         });
                     }
+                    let idle_worker = free == shared.config.concurrency;
+                    let some_class_shut = admission.fits.len() < shared.config.classes.len();
+                    if fetched_none && idle_worker && some_class_shut && !shrunk_for_room {
+                        // Nothing runs, the classes that fit have nothing queued, and a class this
+                        // worker serves does not fit: what the process holds beyond its models is
+                        // arena cache of earlier renders, which the room does not count as free
+                        // (and which keeps the card above `stop_fetch_at` on a crowded card). Give
+                        // it back, then look again at once. Before, the leak guard's idle shrink
+                        // (every `check_every`) unblocked such a worker: on the 2026-11-30 lease a
+                        // minute per large job, once the small ones were done.
+                        shrunk_for_room = true;
+                        info!(fitting = ?admission.classes(), "a class does not fit while idle; shrinking the arenas");
+                        shrink_arenas(shared).await;
+                        worked = true;
+                    }
                 }
-                Ok(_) if free == shared.config.concurrency && !shrunk_for_room => {
-                    // Nothing fits and nothing runs: what the process holds beyond its models is
-                    // arena cache of earlier renders, which the room does not count as free (and
-                    // which keeps the card above `stop_fetch_at` on a crowded card). Give it back,
-                    // then look again at once. Without this, the leak guard's idle shrink (every
-                    // `check_every`) was what unblocked a crowded worker: a minute per stall.
-                    shrunk_for_room = true;
-                    info!("nothing fits while idle; shrinking the arenas");
-                    shrink_arenas(shared).await;
-                    worked = true;
-                }
-                Ok(_) => {}
                 Err(e) => {
                     let driver = e.nvml_error().map(crate::failure::classify_nvml) == Some(crate::failure::ErrorKind::DriverFault);
                     if driver {
