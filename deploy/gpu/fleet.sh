@@ -8,18 +8,23 @@
 #
 # speed -> $RESULTS/fleet-speed.json. Runs, in this order (the deadline trims from the end; a run
 # that fails is recorded with its error and the next one starts):
-#   c1-tuned   concurrency 1, [cuda] conv_algo_search "heuristic" (the UNet only); 16 jobs x 1 image
-#   c2-tuned   concurrency 2, the same [cuda]; 16 x 1, then 4 x 4
-#   c2-batch4  concurrency 2, batch_jobs 4, the same [cuda]; 16 x 1 (same size/steps/guidance)
-#   c1-graph   concurrency 1, the same [cuda] plus graph = true; 16 x 1
-#   c1-stock   concurrency 1, no [cuda] table (ONNX Runtime's defaults); 16 x 1
+#   c1-tuned   concurrency 1, [cuda.unet] conv_algo_search "heuristic"; 16 jobs x 1 image
+#   c2-tuned   concurrency 2, the same [cuda.unet]; 16 x 1, then 4 x 4
+#   c2-batch4  concurrency 2, batch_jobs 4, the same [cuda.unet]; 16 x 1 (same size/steps/guidance)
+#   c1-graph   concurrency 1, the same [cuda.unet] plus graph = true; 16 x 1
+#   c1-best    concurrency 1, the UNet benchmark's best: heuristic, fuse_conv_bias, graph; 16 x 1
+#   c1-stock   concurrency 1, no [cuda.*] table (ONNX Runtime's defaults); 16 x 1
 # All SPEED_SIZE x SPEED_SIZE (1024), SPEED_STEPS (30) steps, guidance 5, submitted at once with
 # `shotfleet submit FILE --wait`, gpu_sampler.py around each set.
 #
-# budget -> $RESULTS/budget.json and $RESULTS/budget-check.jsonl (run in the order mixed, oom, check):
-#   check      `shotfleet-consumer --check-budget SHAPES` (no NATS): predicted vs observed peaks
+# budget -> $RESULTS/budget.json, $RESULTS/budget-check*.jsonl (in the order mixed, oom, check, check-ws):
+#   check      `shotfleet-consumer --check-budget SHAPES` (no NATS): predicted vs observed peaks,
+#              with the VAE on ONNX Runtime's defaults
+#   check-ws   the same with conv_max_workspace = false on the UNet and the VAE (WS_CAPPED): cuDNN's
+#              search and algorithms held to 32 MiB of workspace. (The fourth lease ran check-vae,
+#              the VAE alone: no peak changed, so the UNet's workspace is the next suspect.)
 #   mixed      hog.py holds all but HOG_KEEP_FREE_GIB (36) of the card; a worker at concurrency 2,
-#              classes xs..l, default [budget]; MIX_JOBS (200) seeded jobs of 512..1536 px, 1-4
+#              classes xs..l, default [budget], VAE_SAFE; MIX_JOBS (200) seeded jobs of 512..1536 px, 1-4
 #              images, MIX_STEPS (4) steps, p0/p1/p2 (storyboards.py mixed); then the hog stops
 #   oom        concurrency 1, [faults] arena_limit_mib = OOM_ARENA_MIB (6144): one 1536x1536 x 4
 #              job (4 steps) that really runs out of memory, then 3 jobs 768x768 x 1 that the
@@ -28,7 +33,7 @@
 # use the tuned [cuda] options of the speed runs (what an operator would run).
 #
 # The CPU dry run (FLEET_DEVICE=cpu, tiny model): every side divided by 8 (1024 -> 128, 64..192
-# px), SPEED_STEPS 8, no [cuda] table, a simulated card ([budget.simulate] total_mib SIM_TOTAL_MIB)
+# px), SPEED_STEPS 8, no [cuda.*] table, a simulated card ([budget.simulate] total_mib SIM_TOTAL_MIB)
 # whose others_used_mib (SIM_OTHERS_MIB) stands in for the hog, and cpu_arena_max_mib
 # (CPU_ARENA_MIB) for the CUDA arena cap.
 #
@@ -36,7 +41,7 @@
 # OUT, GPU_SAMPLER, FLEET_DEADLINE_S (it must end within: runs are skipped or cut to fit).
 # Knobs: FLEET_DEVICE, FLEET_MODEL, FLEET_CONFIG (deploy/gpu/fleet.toml), FLEET_WORK (scratch;
 # cuda /root/fleet-work, cpu a temp folder), FLEET_RUNS (speed runs to do, comma list; default
-# all five; budget: check,mixed,oom), SPEED_JOBS (16), SPEED_BATCH_JOBS (4), SPEED_BATCH_IMAGES (4), and those named above.
+# all six; budget: mixed,oom,check,check-ws), SPEED_JOBS (16), SPEED_BATCH_JOBS (4), SPEED_BATCH_IMAGES (4), and those named above.
 # Figures per run and set: fleet_summary.py's docstring. At most 4 files go to $OUT.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.." || exit 1
@@ -72,7 +77,7 @@ else
 fi
 SIZE=$((${SPEED_SIZE:-1024} / SCALE))
 SPEED_JOBS=${SPEED_JOBS:-16}
-if [ "$STAGE" = speed ]; then RUNS=,${FLEET_RUNS:-c1-tuned,c2-tuned,c2-batch4,c1-graph,c1-stock},; else RUNS=,${FLEET_RUNS:-check,mixed,oom},; fi
+if [ "$STAGE" = speed ]; then RUNS=,${FLEET_RUNS:-c1-tuned,c2-tuned,c2-batch4,c1-graph,c1-best,c1-stock},; else RUNS=,${FLEET_RUNS:-mixed,oom,check,check-ws},; fi
 RESULTS=${RESULTS:-$WORK/results}
 OUT=${OUT:-$RESULTS}
 STAGE_DIR=$RESULTS/fleet-$STAGE
@@ -101,12 +106,12 @@ shapes_toml() {  # the same list as TOML: [[512, 512, 1], [768, 768, 1]] (sides 
 }
 
 # write_config FILE TOP TABLES: TOP (top-level keys) before fleet.toml, TABLES after it. On the
-# CPU: device "cpu", no [cuda] or [faults] arena cap, a simulated card (others_used_mib from
+# CPU: device "cpu", no [cuda.*] or [faults] arena cap, a simulated card (others_used_mib from
 # SIM_OTHERS, set per run) and a degrade floor at the tiny model's scale.
 write_config() {
     local file=$1 top=$2 tables=$3
     if [ "$DEVICE" = cpu ]; then
-        tables=$(awk '/^\[cuda\]/ {skip = 1; next} /^\[/ {skip = 0} !skip' <<< "$tables")
+        tables=$(awk '/^\[cuda[].]/ {skip = 1; next} /^\[/ {skip = 0} !skip' <<< "$tables")
         tables+=$'\n'"[budget]"$'\n'"reserve_mib = 64"$'\n'"margin_mib = 64"
         tables+=$'\n\n'"[budget.simulate]"$'\n'"total_mib = ${SIM_TOTAL_MIB:-4096}"$'\n'"others_used_mib = ${SIM_OTHERS:-0}"
         tables+=$'\n\n'"[degrade]"$'\n'"min_side = 64"$'\n'"min_steps = 2"
@@ -128,7 +133,12 @@ SPEED_CALIBRATION=512x512x1,768x768x1,1024x1024x1,1024x1024x2
 BUDGET_CALIBRATION=${BUDGET_CALIBRATION:-512x512x1,768x768x1,1024x1024x1,1024x1024x2,1536x1536x1}
 # fuse_conv_bias is left out: with it a worker died of an illegal memory access on the first
 # budget lease (2026-11-30, 13:22) once shapes changed; it was measured at one fixed shape only.
-TUNED=$'[cuda]\nconv_algo_search = "heuristic"'
+TUNED=$'[cuda.unet]\nconv_algo_search = "heuristic"'
+# The VAE's cuDNN search capped at 32 MiB of workspace. First renders of new shapes peak over the
+# estimate (+39% to +61% at 1152x896); capping the VAE alone changed no peak (fourth lease), so
+# WS_CAPPED caps the UNet's too: it continues TUNED's [cuda.unet] table.
+VAE_SAFE=$'[cuda.vae]\nconv_max_workspace = false'
+WS_CAPPED=$'conv_max_workspace = false\n\n'"$VAE_SAFE"
 
 # --- speed --------------------------------------------------------------------------------------
 # speed_run NAME LABEL TOP CUDA_TABLE SET...: SET is KEY:JOBSxIMAGES (e.g. a:16x1).
@@ -169,30 +179,36 @@ stage_speed() {
     speed_run c2-tuned "c2 tuned" "concurrency = 2" "$TUNED" "a:${SPEED_JOBS}x1" "b:${b_jobs}x${b_images}"
     speed_run c2-batch4 "c2 batch_jobs 4" $'concurrency = 2\nbatch_jobs = 4' "$TUNED" "a:${SPEED_JOBS}x1"
     speed_run c1-graph "c1 cuda graph" "concurrency = 1" "$TUNED"$'\ngraph = true' "a:${SPEED_JOBS}x1"
+    speed_run c1-best "c1 best" "concurrency = 1" "$TUNED"$'\nfuse_conv_bias = true\ngraph = true' "a:${SPEED_JOBS}x1"
     speed_run c1-stock "c1 stock" "concurrency = 1" "" "a:${SPEED_JOBS}x1"
 }
 
 # --- budget -------------------------------------------------------------------------------------
 CHECK_SHAPES=${CHECK_SHAPES:-512x512x1,768x768x1,1024x1024x1,1024x1024x2,1024x1024x4,1536x1536x1,1536x1536x2,1152x896x2,896x1152x3,768x768x4,512x512x4}
 
+# budget_check NAME LABEL TABLES: --check-budget with the tuned UNet plus TABLES (written right
+# after TUNED: keys before any header belong to [cuda.unet]); its lines go to
+# $RESULTS/budget-NAME.jsonl.
 budget_check() {
-    local limit rc=0
-    wanted check || return 0
+    local name=$1 label=$2 extra=$3 limit rc=0 lines
+    wanted "$name" || return 0
+    lines=$RESULTS/budget-$name.jsonl
     limit=$(min_of "${CHECK_LIMIT_S:-150}" $(($(left) - 20)))
-    if [ "$limit" -lt 30 ]; then run_skip check "budget check" "$(left) s left"; return 0; fi
-    RUN_NAME=check RUN_DIR=$STAGE_DIR/check
+    if [ "$limit" -lt 30 ]; then run_skip "$name" "$label" "$(left) s left"; return 0; fi
+    RUN_NAME=$name RUN_DIR=$STAGE_DIR/$name
     mkdir -p "$RUN_DIR" "$WORK/state"
     rm -rf "$WORK/state"/*
-    echo check >> "$STAGE_DIR/runs.txt"
-    meta label "budget check"
+    echo "$name" >> "$STAGE_DIR/runs.txt"
+    meta label "$label"
     meta shapes "$(shapes_arg "$CHECK_SHAPES")"
-    log "=== run check: --check-budget $(shapes_arg "$CHECK_SHAPES") (limit $limit s)"
-    SIM_OTHERS=0 write_config "$WORK/check.toml" "" "$(calibration "$BUDGET_CALIBRATION")"$'\n\n'"$TUNED"
-    cp "$WORK/check.toml" "$RUN_DIR/worker.toml"
+    [ -n "$extra" ] && meta cuda "$(tr '\n' ';' <<< "$extra")"
+    log "=== run $name: --check-budget $(shapes_arg "$CHECK_SHAPES") (limit $limit s)"
+    SIM_OTHERS=0 write_config "$WORK/$name.toml" "" "$(calibration "$BUDGET_CALIBRATION")"$'\n\n'"$TUNED"$'\n'"$extra"
+    cp "$WORK/$name.toml" "$RUN_DIR/worker.toml"
     worker_env SHOTFLEET_METRICS_ADDR="127.0.0.1:$(free_port)"
     meta worker_start "$(now)"
     env "${WORKER_ENV[@]}" timeout -k 5 "$limit" "$BIN_DIR/shotfleet-consumer" --config "$RUN_DIR/worker.toml" \
-        --check-budget "$(shapes_arg "$CHECK_SHAPES")" > "$RESULTS/budget-check.jsonl" 2> "$RUN_DIR/worker.log" < /dev/null &
+        --check-budget "$(shapes_arg "$CHECK_SHAPES")" > "$lines" 2> "$RUN_DIR/worker.log" < /dev/null &
     WORKER_PID=$!
     echo "$WORKER_PID" > "$WORK/worker.pid"
     wait "$WORKER_PID" || rc=$?
@@ -206,9 +222,9 @@ budget_check() {
         124|137) meta error "--check-budget ran past $limit s" ;;
         *) meta error "--check-budget exited $rc: $(worker_error "$RUN_DIR/worker.log")" ;;
     esac
-    cp "$RESULTS/budget-check.jsonl" "$RUN_DIR/"
-    log "check: exit $rc, $(wc -l < "$RESULTS/budget-check.jsonl") lines"
-    cut -c1-200 "$RESULTS/budget-check.jsonl"
+    cp "$lines" "$RUN_DIR/budget-check.jsonl"
+    log "$name: exit $rc, $(wc -l < "$lines") lines"
+    cut -c1-200 "$lines"
     RUN_DIR=''
 }
 
@@ -227,12 +243,13 @@ budget_mixed() {
             others=${SIM_OTHERS_MIB:-3000}
             meta simulated_others_used_mib "$others"
         fi
-        SIM_OTHERS=$others write_config "$WORK/mixed.toml" "concurrency = 2" "$(calibration "$BUDGET_CALIBRATION" 2 "${MIX_COLD:-true}")"$'\n\n'"$TUNED"
+        SIM_OTHERS=$others write_config "$WORK/mixed.toml" "concurrency = 2" \
+            "$(calibration "$BUDGET_CALIBRATION" 2 "${MIX_COLD:-true}")"$'\n\n'"$TUNED"$'\n\n'"$VAE_SAFE"
         if worker_start "$WORK/mixed.toml"; then
             python3 "$REPO/deploy/gpu/storyboards.py" mixed "$WORK/jobs.jsonl" --run mixed --set m --jobs "$jobs" \
                 --steps "${MIX_STEPS:-4}" --scale "$SCALE" | tee -a "$RUN_DIR/storyboard.txt"
             # What the forced-OOM run needs after this one is kept back.
-            timeout=$(($(left) - STOP_S - ${OOM_RESERVE_S:-100} - ${CHECK_RESERVE_S:-110}))
+            timeout=$(($(left) - STOP_S - ${OOM_RESERVE_S:-100} - ${CHECK_RESERVE_S:-130}))
             [ "$timeout" -ge 20 ] || timeout=20
             submit_set m "$jobs mixed jobs, ${MIX_STEPS:-4} steps" "$WORK/jobs.jsonl" "$timeout"
         fi
@@ -262,12 +279,12 @@ budget_oom() {
             meta pid_before "$pid"
             python3 "$REPO/deploy/gpu/storyboards.py" uniform "$WORK/jobs.jsonl" --run oom --set big --jobs 1 \
                 --images 4 --width "$(px 1536)" --height "$(px 1536)" --steps "$steps" > /dev/null
-            timeout=$(min_of "${OOM_BIG_LIMIT_S:-240}" $(($(left) - STOP_S - 40 - ${CHECK_RESERVE_S:-110})))
+            timeout=$(min_of "${OOM_BIG_LIMIT_S:-240}" $(($(left) - STOP_S - 40 - ${CHECK_RESERVE_S:-130})))
             submit_set big "1 job $(px 1536)x$(px 1536) x 4 images, $steps steps" "$WORK/jobs.jsonl" "$timeout"
             if worker_alive; then
                 python3 "$REPO/deploy/gpu/storyboards.py" uniform "$WORK/jobs.jsonl" --run oom --set small --jobs 3 \
                     --images 1 --width "$(px 768)" --height "$(px 768)" --steps "$steps" > /dev/null
-                timeout=$(min_of 90 $(($(left) - STOP_S - 5 - ${CHECK_RESERVE_S:-110})))
+                timeout=$(min_of 90 $(($(left) - STOP_S - 5 - ${CHECK_RESERVE_S:-130})))
                 submit_set small "3 jobs $(px 768)x$(px 768) x 1 image, $steps steps" "$WORK/jobs.jsonl" "$timeout"
             fi
             meta pid_after "$WORKER_PID"
@@ -277,12 +294,13 @@ budget_oom() {
     run_end
 }
 
-# The check last: it is the one run that shrinks the arenas between renders (cold probes), the
-# suspect of the first budget lease's crash besides fuse_conv_bias; the others probe warm.
+# The checks last (the mixed run is the point-3 figure that needs the most time); the capped one
+# after the default one, so a crash of either leaves the other's rows.
 stage_budget() {
     budget_mixed
     budget_oom
-    budget_check
+    budget_check check "budget check" ""
+    budget_check check-ws "budget check, cuDNN workspace capped (UNet and VAE)" "$WS_CAPPED"
 }
 
 # --- the end: stop everything, summarize, copy to $OUT -----------------------------------------
@@ -298,7 +316,7 @@ finish() {
     python3 "$REPO/deploy/gpu/fleet_summary.py" "$STAGE" "$STAGE_DIR" --out "$json" \
         --digest "$OUT/fleet-$STAGE.txt" || echo "the summary failed" >&2
     cp "$json" "$OUT/" 2> /dev/null
-    [ "$STAGE" = budget ] && cp "$RESULTS/budget-check.jsonl" "$OUT/" 2> /dev/null
+    [ "$STAGE" = budget ] && cp "$RESULTS"/budget-check*.jsonl "$OUT/" 2> /dev/null
     log "wrote $json (exit $rc)"
     if [ "$DEVICE" = cpu ] && [ -z "${FLEET_WORK:-}" ]; then rm -rf "$WORK/nats" "$WORK/state" "$WORK/images"; fi
     exit "$rc"

@@ -444,13 +444,15 @@ def digest(doc: dict) -> str:
             if key in run:
                 lines.append(f"  {key}: {json.dumps(run[key])[:1500]}")
         lines += [f"  {w}" for w in run.get("warnings", [])[:8]]
-    check = doc.get("check")
-    if check:
-        lines.append(f"check: {check.get('status')}, exit {check.get('exit_code')}, max |error| {check.get('max_abs_error')}, "
+    for name, check in doc.items():
+        if not name.startswith("check") or not isinstance(check, dict):
+            continue
+        lines.append(f"{name}: {check.get('status')}, exit {check.get('exit_code')}, max |error| {check.get('max_abs_error')}, "
                      f"{check.get('seconds')} s, summary {json.dumps(check.get('summary'))[:400]}")
         for x in check.get("rows", []):
             lines.append(f"  {x.get('width')}x{x.get('height')}x{x.get('images')}: predicted {x.get('predicted_mib')} "
-                         f"observed {x.get('observed_mib')} error {x.get('error')}")
+                         f"observed {x.get('observed_mib')} error {x.get('error')} first {x.get('first_ms')} ms "
+                         f"again {x.get('again_ms')} ms (vae {x.get('again_vae_ms')})")
         if check.get("error"):
             lines.append(f"  error: {check['error']}")
     return "\n".join(lines) + "\n"
@@ -476,8 +478,8 @@ def main() -> None:
         doc["runs"] = [public(run_summary(args.dir / n, vram, meta.get("device"))) for n in names]
     else:
         for n in names:
-            if n == "check":
-                doc["check"] = check_summary(args.dir / n, vram)
+            if n.startswith("check"):
+                doc[n] = check_summary(args.dir / n, vram)
                 continue
             run = run_summary(args.dir / n, vram, meta.get("device"))
             doc[n] = mixed_summary(run) if n == "mixed" else oom_summary(run) if n == "oom" else public(run)

@@ -20,7 +20,7 @@
 #   optimize-wait   waits for the background jobs of optimize-start
 #   unet            optimize-wait, then onnx/bench_unet.py -> unet.json
 #   fleet-speed     optimize-wait, then `deploy/gpu/fleet.sh speed` (binaries from .gpu/bin) -> fleet-speed.json
-#   fleet-budget    optimize-wait, then `deploy/gpu/fleet.sh budget` -> budget.json, budget-check.jsonl
+#   fleet-budget    optimize-wait, then `deploy/gpu/fleet.sh budget` -> budget.json, budget-check.jsonl, budget-check-ws.jsonl
 #   fleet           fleet-speed, then fleet-budget
 #   report          deploy/gpu/report.py over /root/results -> report.md, report.json, results.tar.gz
 #

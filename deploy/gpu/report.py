@@ -180,16 +180,19 @@ def budget_md(budget: dict | None) -> list[str]:
     if not budget:
         return []
     out = ["## Memory budget", ""]
-    check = budget.get("check")
-    if check:
-        out += [f"### Budget check (`--check-budget`, cold arena, calibration steps): {check.get('status')}, "
+    for name, check in budget.items():
+        if not name.startswith("check") or not isinstance(check, dict):
+            continue
+        out += [f"### {check.get('label') or name} (`--check-budget`, cold arena, calibration steps): {check.get('status')}, "
                 f"exit {check.get('exit_code')}, {num(check.get('seconds'), '.0f')} s", ""]
         if check.get("rows"):
-            out += ["| shape | predicted MiB | observed MiB | error | predicted / observed |", "| --- | ---: | ---: | ---: | ---: |"]
+            out += ["| shape | predicted MiB | observed MiB | error | predicted / observed | first ms | again ms | again VAE ms |",
+                    "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
             for x in check["rows"]:
                 out.append(f"| {x.get('width')}x{x.get('height')} x {x.get('images')} | {num(x.get('predicted_mib'), '.0f')} "
                            f"| {num(x.get('observed_mib'), '.0f')} | {num(x.get('error'), '+.3f', str(x.get('error') or '-'))} "
-                           f"| {num(x.get('pred_over_obs'), '.3f')} |")
+                           f"| {num(x.get('pred_over_obs'), '.3f')} | {num(x.get('first_ms'), '.0f')} "
+                           f"| {num(x.get('again_ms'), '.0f')} | {num(x.get('again_vae_ms'), '.0f')} |")
             out += ["", f"max |error| {num(check.get('max_abs_error'), '.3f')}; under-predicted: "
                         f"{', '.join(check.get('under_predicted') or []) or 'none'}; summary {json.dumps(check.get('summary'))}", ""]
         if check.get("error"):
