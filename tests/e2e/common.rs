@@ -142,6 +142,15 @@ pub struct Worker {
     dir: tempfile::TempDir,
 }
 
+impl Drop for Worker {
+    /// A failing test shows the worker's log: its assertion alone seldom says why.
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            eprintln!("--- worker {} log ---\n{}--- end of worker {} log ---", self.spec.id, self.log(), self.spec.id);
+        }
+    }
+}
+
 impl Worker {
     /// Starts a worker against `nats_url` and waits until `/readyz` says it takes jobs.
     pub fn start(nats_url: &str, spec: WorkerSpec) -> Self {

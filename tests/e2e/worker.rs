@@ -232,6 +232,34 @@ async fn only_classes_that_fit_the_budget_are_fetched() {
 }
 
 #[tokio::test]
+async fn an_idle_worker_gives_back_its_arena_cache_for_a_class_that_does_not_fit() {
+    let server = NatsServer::start();
+    let js = jetstream_with(&server.url(), &Topology::default()).await;
+    let store = tempfile::tempdir().unwrap();
+    let mut spec = WorkerSpec::new("cache", store.path());
+    // Room for a 768x768 render (about 1.1 GiB planned on the tiny model on the CPU) beside the
+    // models, but not beside the arena cache such a render leaves: the room never counts a
+    // process's idle cache as free. The leak guard's own idle shrink is ten minutes away, so
+    // only the fetch loop's shrink can let the second job in soon.
+    spec.total_mib = 2000;
+    spec.calibration = "[[128, 128, 1], [256, 256, 1], [512, 512, 1], [768, 768, 1]]";
+    spec.extra = "[leak_guard]\ncheck_every = \"10m\"\n".into();
+    let worker = Worker::start(&server.url(), spec);
+    let first = shot(Priority::P1, job("cache-maker", "acme", (768, 768), 2, 1));
+    submit(&js, std::slice::from_ref(&first)).await;
+    assert_eq!(results(&outcomes(&js, &[first], Duration::from_secs(120)).await).len(), 1);
+    let shrinks_before = worker.log().matches("a class does not fit while idle").count();
+
+    let second = shot(Priority::P1, job("needs-room", "acme", (768, 768), 2, 1));
+    let sent = Instant::now();
+    submit(&js, std::slice::from_ref(&second)).await;
+    assert_eq!(results(&outcomes(&js, &[second], Duration::from_secs(120)).await).len(), 1);
+    assert!(sent.elapsed() < Duration::from_secs(100), "the second job waited {:?}", sent.elapsed());
+    let shrinks = worker.log().matches("a class does not fit while idle").count();
+    assert!(shrinks > shrinks_before, "the second job got in without a shrink: the test's card is too roomy");
+}
+
+#[tokio::test]
 async fn sigterm_finishes_in_flight_work_within_the_grace_period() {
     let server = NatsServer::start();
     let js = jetstream_with(&server.url(), &Topology::default()).await;
