@@ -59,60 +59,12 @@ EOF
 }
 
 # --- NVML memory over the stage ------------------------------------------------------------------
-# Every 200 ms: device used, the current worker's own (where NVML lists its pid), all compute
-# processes. exec: the background job's pid is python's own, so stop_pid reaches it (a bash
+# vram_sampler.py, exec'd: the background job's pid is python's own, so stop_pid reaches it (a bash
 # subshell killed with SIGTERM leaves its foreground child running; on the 2026-11-30 lease that
 # orphan held lease.sh's tee open until the call's 600 s limit). It also ends by itself once
-# fleet.sh is gone. Without NVML it writes only the header.
+# fleet.sh is gone.
 vram_sampler() {  # CSV PIDFILE PARENT_PID
-    exec python3 - "$1" "$2" "$3" << 'EOF'
-import os, signal, sys, time
-out, pidfile, parent = sys.argv[1], sys.argv[2], int(sys.argv[3])
-stop = False
-def handler(*_):
-    global stop
-    stop = True
-signal.signal(signal.SIGTERM, handler)
-signal.signal(signal.SIGINT, handler)
-f = open(out, "w")
-f.write("t,device_used_mib,own_mib,procs_mib\n")
-f.flush()
-try:
-    import pynvml
-    pynvml.nvmlInit()
-    h = pynvml.nvmlDeviceGetHandleByIndex(int(os.environ.get("SHOTFLEET_GPU", "0")))
-except Exception as e:  # noqa: BLE001
-    print(f"vram sampler: no NVML ({type(e).__name__}: {e})", file=sys.stderr)
-    sys.exit(0)
-def alive(pid):
-    try:
-        os.kill(pid, 0)
-        return True
-    except OSError:
-        return False
-while not stop and alive(parent):
-    try:
-        used = pynvml.nvmlDeviceGetMemoryInfo(h).used / 2**20
-        own, procs = -1.0, 0.0
-        try:
-            pid = int(open(pidfile).read().strip() or 0)
-        except (OSError, ValueError):
-            pid = 0
-        try:
-            for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h):
-                mem = (p.usedGpuMemory or 0) / 2**20
-                procs += mem
-                if pid and p.pid == pid:
-                    own = mem
-        except Exception:  # noqa: BLE001
-            pass
-        f.write(f"{time.time():.3f},{used:.0f},{own:.0f},{procs:.0f}\n")
-        f.flush()
-    except Exception as e:  # noqa: BLE001
-        print(f"vram sampler: {e}", file=sys.stderr)
-    time.sleep(0.2)
-f.close()
-EOF
+    exec python3 "$REPO/deploy/gpu/vram_sampler.py" "$1" "$2" "$3"
 }
 
 start_vram_sampler() {

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -130,11 +129,11 @@ def main() -> None:
     if cmd:
         rc = subprocess.call(cmd)
     else:
-        done = threading.Event()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: done.set())
-        while not done.wait(0.5):
-            pass
+        from stopping import Stopper  # beside this file; the library use above needs none
+
+        stopper = Stopper()
+        while stopper.running():
+            time.sleep(0.5)
     summary = sampler.stop()
     if cmd:
         summary["command"] = cmd

@@ -5,8 +5,8 @@
 Allocates one torch.empty(uint8) block on CUDA of (free - keep) bytes (cudaMalloc: the memory is
 taken at once and NVML counts it), writes FILE as JSON ({"held_mib", "free_before_mib",
 "free_after_mib", "total_mib", "pid"}, or {"error"}), then sleeps until SIGTERM/SIGINT or until
-PARENT is gone, so a fleet.sh that dies cannot leave the card full. fleet.sh execs it, so the pid
-it stops is this process's own. Needs torch with CUDA (the GPU machine's python3 has it).
+PARENT is gone (stopping.py), so a fleet.sh that dies cannot leave the card full. fleet.sh execs
+it, so the pid it stops is this process's own. Needs torch with CUDA (the GPU machine's python3 has it).
 """
 
 from __future__ import annotations
@@ -14,19 +14,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import sys
 import time
 
+from stopping import Stopper
+
 MIB = 2**20
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
-    except OSError:
-        return False
 
 
 def write(path: str, doc: dict) -> None:
@@ -44,14 +37,7 @@ def main() -> int:
     ap.add_argument("--parent", type=int, required=True, help="end when this process is gone")
     ap.add_argument("--device", type=int, default=0)
     args = ap.parse_args()
-    stop = False
-
-    def handler(*_):
-        nonlocal stop
-        stop = True
-
-    signal.signal(signal.SIGTERM, handler)
-    signal.signal(signal.SIGINT, handler)
+    stopper = Stopper(args.parent)
     try:
         import torch
 
@@ -70,7 +56,7 @@ def main() -> int:
     write(args.report, {"held_mib": round(block.numel() / MIB), "free_before_mib": round(free / MIB),
                         "free_after_mib": round(free_after / MIB), "total_mib": round(total / MIB),
                         "keep_free_gib": args.keep_free_gib, "pid": os.getpid()})
-    while not stop and alive(args.parent):
+    while stopper.running():
         time.sleep(0.5)
     del block
     return 0
