@@ -47,6 +47,9 @@ fn the_check_prints_a_line_per_shape_and_a_summary() {
         // Each shape is rendered twice: the timed second render includes its VAE decode.
         let (again, vae) = (row["again_ms"].as_f64().unwrap(), row["again_vae_ms"].as_f64().unwrap());
         assert!(row["first_ms"].as_f64().unwrap() > 0.0 && again > 0.0 && vae > 0.0 && vae < again, "{row}");
+        // Each graph's arena after the first render: the UNet's and the VAE's hold its tensors.
+        let arenas = row["arenas_mib"].as_object().unwrap();
+        assert!(["unet", "vae_decoder"].iter().all(|g| arenas[*g].as_f64().unwrap() > 0.0), "{row}");
     }
     let summary = &lines[2]["summary"];
     assert_eq!(summary["shapes"], 2);

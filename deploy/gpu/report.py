@@ -36,6 +36,15 @@ def num(v, fmt: str, dash: str = "-") -> str:
     return format(v, fmt) if isinstance(v, (int, float)) and not isinstance(v, bool) else dash
 
 
+def arenas(by_graph) -> str:
+    """`--check-budget`'s arenas_mib: each graph's arena after the first render, and their sum."""
+    if not isinstance(by_graph, dict) or not by_graph:
+        return "-"
+    graphs = ("text_encoder", "text_encoder_2", "unet", "vae_decoder")
+    parts = [num(by_graph.get(g), ".0f") for g in graphs]
+    return f"{', '.join(parts)} ({num(sum(v for v in by_graph.values() if isinstance(v, (int, float))), '.0f')})"
+
+
 def pct(v) -> str:
     return f"{v * 100:.0f}%" if isinstance(v, (int, float)) else "-"
 
@@ -186,13 +195,14 @@ def budget_md(budget: dict | None) -> list[str]:
         out += [f"### {check.get('label') or name} (`--check-budget`, cold arena, calibration steps): {check.get('status')}, "
                 f"exit {check.get('exit_code')}, {num(check.get('seconds'), '.0f')} s", ""]
         if check.get("rows"):
-            out += ["| shape | predicted MiB | observed MiB | error | predicted / observed | first ms | again ms | again VAE ms |",
-                    "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+            out += ["| shape | predicted MiB | observed MiB | error | predicted / observed | first ms | again ms | again VAE ms "
+                    "| arenas MiB: text, text 2, UNet, VAE (sum) |",
+                    "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
             for x in check["rows"]:
                 out.append(f"| {x.get('width')}x{x.get('height')} x {x.get('images')} | {num(x.get('predicted_mib'), '.0f')} "
                            f"| {num(x.get('observed_mib'), '.0f')} | {num(x.get('error'), '+.3f', str(x.get('error') or '-'))} "
                            f"| {num(x.get('pred_over_obs'), '.3f')} | {num(x.get('first_ms'), '.0f')} "
-                           f"| {num(x.get('again_ms'), '.0f')} | {num(x.get('again_vae_ms'), '.0f')} |")
+                           f"| {num(x.get('again_ms'), '.0f')} | {num(x.get('again_vae_ms'), '.0f')} | {arenas(x.get('arenas_mib'))} |")
             out += ["", f"max |error| {num(check.get('max_abs_error'), '.3f')}; under-predicted: "
                         f"{', '.join(check.get('under_predicted') or []) or 'none'}; summary {json.dumps(check.get('summary'))}", ""]
         if check.get("error"):

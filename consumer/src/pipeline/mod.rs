@@ -426,7 +426,21 @@ impl Pipeline {
     /// [`PipelineOptions::cpu_arena_max_mem`].
     pub fn cpu_arena_stats(&self) -> Option<ArenaStats> {
         self.options.cpu_arena_max_mem?;
-        self.unet.arena_stats()
+        self.unet.session().arena_stats(&Device::Cpu)
+    }
+
+    /// Each graph's arena counters on the pipeline's device, by graph: what `--check-budget`
+    /// prints beside a render's peak, so a peak above the estimate can be traced to a graph (or
+    /// to memory outside every arena). On the CPU with a capped arena all graphs share one.
+    pub fn arena_stats(&self) -> Vec<(&'static str, Option<ArenaStats>)> {
+        let [first, second] = self.text.sessions();
+        let device = &self.options.device;
+        vec![
+            ("text_encoder", first.arena_stats(device)),
+            ("text_encoder_2", second.arena_stats(device)),
+            ("unet", self.unet.session().arena_stats(device)),
+            ("vae_decoder", self.vae.session().arena_stats(device)),
+        ]
     }
 
     /// Token ids of both tokenizers for `text`, padded to 77.

@@ -104,7 +104,7 @@ pub(crate) fn cap_cpu_arena(env: &Environment, max_mem: u64) -> Result<(), LoadE
     Ok(())
 }
 
-/// Counters of the capped CPU arena (ONNX Runtime's BFC arena statistics), in bytes.
+/// Counters of an ONNX Runtime BFC arena (the capped CPU arena, or a session's CUDA arena), bytes.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct ArenaStats {
     /// The cap (`max_mem`).
@@ -124,11 +124,16 @@ pub struct ArenaStats {
     pub num_shrinkages: u64,
 }
 
-/// The counters of the CPU arena `session` allocates from: with `session.use_env_allocators`,
-/// the environment's capped arena shared by every capped session of the process. `None` when
-/// ONNX Runtime gives none (an arena that is not a BFC arena reports no counters).
-fn arena_stats(session: &Session) -> Option<ArenaStats> {
-    let info = MemoryInfo::new(AllocationDevice::CPU, 0, AllocatorType::Arena, MemoryType::Default).ok()?;
+/// The counters of the arena `session` allocates its tensors from on `device`: on the CPU with
+/// `session.use_env_allocators`, the environment's capped arena shared by every capped session of
+/// the process; on a GPU, the session's own CUDA arena. `None` when ONNX Runtime gives none (an
+/// arena that is not a BFC arena reports no counters).
+fn arena_stats(session: &Session, device: &Device) -> Option<ArenaStats> {
+    let info = match device {
+        Device::Cpu => MemoryInfo::new(AllocationDevice::CPU, 0, AllocatorType::Arena, MemoryType::Default),
+        Device::Cuda { gpu, .. } => MemoryInfo::new(AllocationDevice::CUDA, *gpu as i32, AllocatorType::Arena, MemoryType::Default),
+    }
+    .ok()?;
     let allocator = ort::memory::Allocator::new(session, info).ok()?;
     let api = ort::api();
     let mut kvps: *mut ort::sys::OrtKeyValuePairs = std::ptr::null_mut();
@@ -288,9 +293,9 @@ impl ModelSession {
         Ok(ModelSession { path: path.to_path_buf(), session: Mutex::new(session), inputs, outputs })
     }
 
-    /// The counters of the CPU arena this session allocates from.
-    pub(crate) fn arena_stats(&self) -> Option<ArenaStats> {
-        arena_stats(&self.lock())
+    /// The counters of the arena this session allocates from on `device`.
+    pub(crate) fn arena_stats(&self, device: &Device) -> Option<ArenaStats> {
+        arena_stats(&self.lock(), device)
     }
 
     pub(crate) fn lock(&self) -> MutexGuard<'_, Session> {

@@ -128,6 +128,11 @@ pub(crate) struct TextEncoders {
 }
 
 impl TextEncoders {
+    /// Both encoders' sessions, first then second.
+    pub(crate) fn sessions(&self) -> [&ModelSession; 2] {
+        [&self.first.session, &self.second.session]
+    }
+
     pub(crate) fn load(env: &Environment, config: &FolderConfig, options: &PipelineOptions) -> Result<TextEncoders, LoadError> {
         let first = Encoder::load(env, config, TOKENIZER, TEXT_ENCODER, config.text_encoder_vocab, options)?;
         let second = Encoder::load(env, config, TOKENIZER_2, TEXT_ENCODER_2, config.text_encoder_2_vocab, options)?;

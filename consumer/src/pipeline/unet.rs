@@ -125,8 +125,8 @@ impl Unet {
         Ok(Unet { session, sample, timestep, encoder_hidden_states, text_embeds, time_ids, output, latent_channels, steps, graphs, graphs_captured })
     }
 
-    pub(crate) fn arena_stats(&self) -> Option<super::ArenaStats> {
-        self.session.arena_stats()
+    pub(crate) fn session(&self) -> &ModelSession {
+        &self.session
     }
 
     pub(crate) fn sample_elem(&self) -> super::session::Elem {

@@ -38,6 +38,10 @@ pub(crate) struct Decoded {
 }
 
 impl VaeDecoder {
+    pub(crate) fn session(&self) -> &ModelSession {
+        &self.session
+    }
+
     pub(crate) fn load(env: &Environment, config: &FolderConfig, options: &PipelineOptions) -> Result<VaeDecoder, LoadError> {
         let session = ModelSession::load_vae(env, &config.dir.join(VAE_DECODER), options)?;
         let input = session.require_input("latent_sample", Some(4), true)?.clone();

@@ -31,6 +31,10 @@ pub struct CheckedShape {
     pub again_ms: f64,
     /// That second render's VAE decode alone, which `[cuda.vae]` changes.
     pub again_vae_ms: f64,
+    /// Each graph's arena after the first render, MiB reserved (ONNX Runtime's
+    /// `TotalAllocated`; every arena starts that render shrunk). Their sum short of
+    /// `observed_mib` is memory outside the arenas. Graphs whose arena gives no counters are left out.
+    pub arenas_mib: std::collections::BTreeMap<&'static str, f64>,
 }
 
 /// Parses `512x512x1,1536x1536x4`: width x height x images, each size a multiple of 8 (the
@@ -112,6 +116,12 @@ pub async fn check_budget(config: &WorkerConfig, shapes: &[Shape]) -> Result<(Ve
     for &shape in shapes {
         let steps = config.calibration.steps;
         let first = startup::measure(&ready.pipeline, &ready.meter, shape, steps, true).await?;
+        let arenas_mib = ready
+            .pipeline
+            .arena_stats()
+            .into_iter()
+            .filter_map(|(graph, stats)| Some((graph, stats?.total_allocated as f64 / MIB as f64)))
+            .collect();
         let again = startup::measure(&ready.pipeline, &ready.meter, shape, steps, false).await?;
         let observed = first.peak as f64;
         let predicted = ready.budget.estimate().need(shape) as f64;
@@ -128,6 +138,7 @@ pub async fn check_budget(config: &WorkerConfig, shapes: &[Shape]) -> Result<(Ve
             first_ms: first.timings.total().as_secs_f64() * 1e3,
             again_ms: again.timings.total().as_secs_f64() * 1e3,
             again_vae_ms: again.timings.vae.as_secs_f64() * 1e3,
+            arenas_mib,
         });
     }
     let summary = CheckSummary::of(&checked, &ready.budget.estimate());
