@@ -446,7 +446,7 @@ impl Progress {
             Some(bar) => bar.inc(1),
             None => {
                 let step = (self.total / 10).max(1);
-                if n % step == 0 || n == self.total {
+                if n.is_multiple_of(step) || n == self.total {
                     eprintln!("{} {n}/{}", self.label, self.total);
                 }
             }

@@ -201,7 +201,7 @@ impl Checker {
     }
 
     fn side(&mut self, field: &str, value: u32, limits: &Limits) {
-        if value % 8 != 0 || value == 0 {
+        if !value.is_multiple_of(8) || value == 0 {
             self.fail(field, format!("{value} must be a positive multiple of 8 (e.g. {})", value.div_ceil(8).max(1) * 8));
         } else if value < limits.min_side || value > limits.max_side {
             self.fail(

@@ -48,7 +48,7 @@ pub enum Commit {
     /// Ours is the job's result.
     Ours,
     /// Another worker's result was already committed; it is returned.
-    Theirs(ShotResult),
+    Theirs(Box<ShotResult>),
 }
 
 /// Publishes `result` deduplicated by `<job>:done`.
@@ -68,7 +68,7 @@ pub async fn publish(shared: &Shared, result: &ShotResult) -> Result<Commit, Com
         return Ok(Commit::Ours);
     }
     match existing_result(shared, &result.project, &result.job_id).await? {
-        Some(theirs) => Ok(Commit::Theirs(theirs)),
+        Some(theirs) => Ok(Commit::Theirs(Box::new(theirs))),
         // Duplicate inside the window but no result stored: the stream lost it (max age).
         None => Err(CommitError("the server reports a duplicate result but holds none".into())),
     }

@@ -87,7 +87,7 @@ mod tests {
         let wide = next_rung(&job(1344, 768, 30), &ladder).unwrap();
         assert_eq!((wide.width, wide.height), (960, 576));
         assert_eq!(wide.class(), MemoryClass::S);
-        assert!(wide.width % 64 == 0 && wide.height % 64 == 0);
+        assert!(wide.width.is_multiple_of(64) && wide.height.is_multiple_of(64));
         let again = next_rung(&down, &ladder).unwrap();
         assert_eq!(again.degrade.unwrap().level, 2);
         assert_eq!(again.degrade.unwrap().from.width, 1536, "from keeps the original");

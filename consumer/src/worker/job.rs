@@ -151,7 +151,7 @@ pub(crate) async fn commit_output(
         Ok(commit::Commit::Ours) => result,
         Ok(commit::Commit::Theirs(theirs)) => {
             info!(job = %job.job_id, winner = %theirs.worker, "another worker committed this job first; keeping its images");
-            theirs
+            *theirs
         }
         Err(e) => return nak_transient(shared, delivery, job, &e.to_string()).await,
     };

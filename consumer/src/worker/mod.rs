@@ -219,10 +219,7 @@ pub async fn run(
     let store = Store::connect(&config.store, env).await.map_err(|e| WorkerError::start("open the object store", e))?;
 
     health.set_not_ready("loading models and calibrating");
-    let ready = startup::prepare(&config).await.map_err(|e| {
-        health.set_not_ready(e.to_string());
-        e
-    })?;
+    let ready = startup::prepare(&config).await.inspect_err(|e| health.set_not_ready(e.to_string()))?;
     let device_name = ready.probe.snapshot().map(|s| s.device).unwrap_or_else(|_| "unknown".into());
     let progress_interval = config.progress_interval.map(|s| s.0).unwrap_or(ack_wait / 3).max(Duration::from_millis(100));
     let meter = (config.concurrency == 1).then_some(ready.meter);

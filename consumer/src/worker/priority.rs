@@ -31,7 +31,7 @@ impl Scheduler {
         };
         let mut overdue: Vec<(Duration, Priority)> =
             Priority::ALL.into_iter().filter_map(|p| overdue_by(p).map(|d| (d, p))).collect();
-        overdue.sort_by(|a, b| b.0.cmp(&a.0));
+        overdue.sort_by_key(|&(by, _)| std::cmp::Reverse(by));
         let mut order: Vec<Priority> = overdue.iter().map(|(_, p)| *p).collect();
         let rest: Vec<Priority> = Priority::ALL.into_iter().filter(|p| !order.contains(p)).collect();
         order.extend(rest);
