@@ -102,6 +102,11 @@ pub struct Admission {
     /// Each class that fits, smallest first, with how many one-image jobs at the class's
     /// largest size the room holds at once (at least 1).
     pub fits: Vec<(MemoryClass, u32)>,
+    /// Whether giving back this process's idle arena cache (what it holds beyond its models and
+    /// its jobs' reservations) would let in a class that does not fit now, or lift the
+    /// stop-fetch level. Where the driver does not report this process's usage it cannot be
+    /// told, and any class left out counts: a shrink is cheap.
+    pub shrinking_opens: bool,
 }
 
 impl Admission {
@@ -193,23 +198,47 @@ impl Budget {
     /// The card could not be read: on NVML, possibly a driver fault ([`ProbeError::nvml_error`]).
     pub fn admit(&self, classes: &[MemoryClass]) -> Result<Admission, ProbeError> {
         let snapshot = self.inner.snapshot()?;
+        let plan = self.inner.plan();
+        let (water, fits) = self.fits(&snapshot, &plan, classes);
+        let shrinking_opens = match snapshot.own_used {
+            Some(own) => {
+                let cache = own.saturating_sub(plan.resident).saturating_sub(plan.reserved);
+                let shrunk = GpuSnapshot {
+                    used: snapshot.used.saturating_sub(cache),
+                    free: snapshot.free + cache,
+                    own_used: Some(own - cache),
+                    ..snapshot.clone()
+                };
+                cache > 0 && self.fits(&shrunk, &plan, classes).1.len() > fits.len()
+            }
+            None => {
+                let mut asked = classes.to_vec();
+                asked.sort();
+                asked.dedup();
+                fits.len() < asked.len()
+            }
+        };
+        Ok(Admission { water, fits, shrinking_opens })
+    }
+
+    /// The water level of `snapshot` and the classes its room holds (none above stop-fetch).
+    fn fits(&self, snapshot: &GpuSnapshot, plan: &Plan, classes: &[MemoryClass]) -> (Water, Vec<(MemoryClass, u32)>) {
         let water = Water::at(snapshot.used_fraction(), &self.inner.config);
         if water == Water::Stop {
-            return Ok(Admission { water, fits: Vec::new() });
+            return (water, Vec::new());
         }
-        let plan = self.inner.plan();
-        let available = self.inner.room(&snapshot, &plan).available;
+        let available = self.inner.room(snapshot, plan).available;
         let mut fits: Vec<(MemoryClass, u32)> = classes
             .iter()
             .filter_map(|&class| {
-                let need = self.inner.planned(&plan, self.class_shape(class));
+                let need = self.inner.planned(plan, self.class_shape(class));
                 let jobs = u32::try_from(available / need.max(1)).unwrap_or(u32::MAX);
                 (jobs > 0).then_some((class, jobs))
             })
             .collect();
         fits.sort();
         fits.dedup();
-        Ok(Admission { water, fits })
+        (water, fits)
     }
 
     /// The largest sub-batch of a job's `images` that the room holds now: `images` if all fit,
@@ -490,6 +519,27 @@ mod tests {
             budget.admit(&[MemoryClass::Xl, MemoryClass::S]).unwrap().classes(),
             [MemoryClass::S, MemoryClass::Xl]
         );
+    }
+
+    #[test]
+    fn shrinking_opens_only_where_idle_cache_keeps_a_class_out() {
+        // 800 MiB of idle cache: room 540 MiB holds xs..m, not l (646.8) or xl (893.2); given
+        // back, the room is 1340 MiB and holds all five.
+        let (cached, _) = budget(card(800 * MIB, 1500 * MIB, true));
+        let admission = cached.admit(&MemoryClass::ALL).unwrap();
+        assert_eq!(admission.classes(), [MemoryClass::Xs, MemoryClass::S, MemoryClass::M]);
+        assert!(admission.shrinking_opens);
+        // No cache, another process holds the card: xl is out, and a shrink would not change it.
+        let (crowded, _) = budget(card(0, 2000 * MIB, true));
+        let admission = crowded.admit(&MemoryClass::ALL).unwrap();
+        assert_eq!(admission.jobs(MemoryClass::Xl), 0);
+        assert!(!admission.shrinking_opens);
+        // Everything fits: nothing to open.
+        let (roomy, _) = budget(card(800 * MIB, 0, true));
+        assert!(!roomy.admit(&MemoryClass::ALL).unwrap().shrinking_opens);
+        // Our usage unknown: a class left out may be our cache's doing.
+        let (unknown, _) = budget(card(800 * MIB, 1500 * MIB, false));
+        assert!(unknown.admit(&MemoryClass::ALL).unwrap().shrinking_opens);
     }
 
     #[test]

@@ -347,15 +347,14 @@ async fn fetch_loop(shared: &Arc<Shared>, consumers: &fetch::Consumers, tracker:
                         });
                     }
                     let idle_worker = free == shared.config.concurrency;
-                    let some_class_shut = admission.fits.len() < shared.config.classes.len();
-                    if fetched_none && idle_worker && some_class_shut && !shrunk_for_room {
+                    if fetched_none && idle_worker && admission.shrinking_opens && !shrunk_for_room {
                         // Nothing runs, the classes that fit have nothing queued, and a class this
-                        // worker serves does not fit: what the process holds beyond its models is
-                        // arena cache of earlier renders, which the room does not count as free
-                        // (and which keeps the card above `stop_fetch_at` on a crowded card). Give
-                        // it back, then look again at once. Before, the leak guard's idle shrink
-                        // (every `check_every`) unblocked such a worker: on the 2026-11-30 lease a
-                        // minute per large job, once the small ones were done.
+                        // worker serves is kept out by arena cache of earlier renders, which the
+                        // room does not count as free (and which keeps the card above
+                        // `stop_fetch_at` on a crowded card). Give it back, then look again at
+                        // once. Before, the leak guard's idle shrink (every `check_every`)
+                        // unblocked such a worker: on the 2026-11-30 lease a minute per large
+                        // job, once the small ones were done.
                         shrunk_for_room = true;
                         info!(fitting = ?admission.classes(), "a class does not fit while idle; shrinking the arenas");
                         shrink_arenas(shared).await;
