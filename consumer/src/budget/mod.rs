@@ -102,11 +102,6 @@ pub struct Admission {
     /// Each class that fits, smallest first, with how many one-image jobs at the class's
     /// largest size the room holds at once (at least 1).
     pub fits: Vec<(MemoryClass, u32)>,
-    /// Whether giving back this process's idle arena cache (what it holds beyond its models and
-    /// its jobs' reservations) would let in a class that does not fit now, or lift the
-    /// stop-fetch level. Where the driver does not report this process's usage it cannot be
-    /// told, and any class left out counts: a shrink is cheap.
-    pub shrinking_opens: bool,
 }
 
 impl Admission {
@@ -198,27 +193,36 @@ impl Budget {
     /// The card could not be read: on NVML, possibly a driver fault ([`ProbeError::nvml_error`]).
     pub fn admit(&self, classes: &[MemoryClass]) -> Result<Admission, ProbeError> {
         let snapshot = self.inner.snapshot()?;
+        let (water, fits) = self.fits(&snapshot, &self.inner.plan(), classes);
+        Ok(Admission { water, fits })
+    }
+
+    /// Whether giving back this process's idle arena cache (what it holds beyond its models and
+    /// its jobs' reservations) would let in one of `classes` that does not fit now, or lift the
+    /// stop-fetch level. Where the driver does not report this process's usage it cannot be
+    /// told, and any class left out counts: a shrink is cheap. Asked by an idle worker that
+    /// fetched nothing, not on every admission.
+    ///
+    /// # Errors
+    /// The card could not be read.
+    pub fn shrinking_opens(&self, classes: &[MemoryClass]) -> Result<bool, ProbeError> {
+        let snapshot = self.inner.snapshot()?;
         let plan = self.inner.plan();
-        let (water, fits) = self.fits(&snapshot, &plan, classes);
-        let shrinking_opens = match snapshot.own_used {
-            Some(own) => {
-                let cache = own.saturating_sub(plan.resident).saturating_sub(plan.reserved);
-                let shrunk = GpuSnapshot {
-                    used: snapshot.used.saturating_sub(cache),
-                    free: snapshot.free + cache,
-                    own_used: Some(own - cache),
-                    ..snapshot.clone()
-                };
-                cache > 0 && self.fits(&shrunk, &plan, classes).1.len() > fits.len()
-            }
-            None => {
-                let mut asked = classes.to_vec();
-                asked.sort();
-                asked.dedup();
-                fits.len() < asked.len()
-            }
+        let (_, fits) = self.fits(&snapshot, &plan, classes);
+        let Some(own) = snapshot.own_used else {
+            return Ok(classes.iter().any(|class| !fits.iter().any(|(fit, _)| fit == class)));
         };
-        Ok(Admission { water, fits, shrinking_opens })
+        let cache = own.saturating_sub(plan.resident).saturating_sub(plan.reserved);
+        if cache == 0 {
+            return Ok(false);
+        }
+        let shrunk = GpuSnapshot {
+            used: snapshot.used.saturating_sub(cache),
+            free: snapshot.free + cache,
+            own_used: Some(own - cache),
+            ..snapshot
+        };
+        Ok(self.fits(&shrunk, &plan, classes).1.len() > fits.len())
     }
 
     /// The water level of `snapshot` and the classes its room holds (none above stop-fetch).
@@ -528,18 +532,18 @@ mod tests {
         let (cached, _) = budget(card(800 * MIB, 1500 * MIB, true));
         let admission = cached.admit(&MemoryClass::ALL).unwrap();
         assert_eq!(admission.classes(), [MemoryClass::Xs, MemoryClass::S, MemoryClass::M]);
-        assert!(admission.shrinking_opens);
+        assert!(cached.shrinking_opens(&MemoryClass::ALL).unwrap());
         // No cache, another process holds the card: xl is out, and a shrink would not change it.
         let (crowded, _) = budget(card(0, 2000 * MIB, true));
         let admission = crowded.admit(&MemoryClass::ALL).unwrap();
         assert_eq!(admission.jobs(MemoryClass::Xl), 0);
-        assert!(!admission.shrinking_opens);
+        assert!(!crowded.shrinking_opens(&MemoryClass::ALL).unwrap());
         // Everything fits: nothing to open.
         let (roomy, _) = budget(card(800 * MIB, 0, true));
-        assert!(!roomy.admit(&MemoryClass::ALL).unwrap().shrinking_opens);
+        assert!(!roomy.shrinking_opens(&MemoryClass::ALL).unwrap());
         // Our usage unknown: a class left out may be our cache's doing.
         let (unknown, _) = budget(card(800 * MIB, 1500 * MIB, false));
-        assert!(unknown.admit(&MemoryClass::ALL).unwrap().shrinking_opens);
+        assert!(unknown.shrinking_opens(&MemoryClass::ALL).unwrap());
     }
 
     #[test]

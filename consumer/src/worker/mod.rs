@@ -347,7 +347,11 @@ async fn fetch_loop(shared: &Arc<Shared>, consumers: &fetch::Consumers, tracker:
                         });
                     }
                     let idle_worker = free == shared.config.concurrency;
-                    if fetched_none && idle_worker && admission.shrinking_opens && !shrunk_for_room {
+                    if fetched_none
+                        && idle_worker
+                        && !shrunk_for_room
+                        && shared.budget.shrinking_opens(&shared.config.classes).unwrap_or(true)
+                    {
                         // Nothing runs, the classes that fit have nothing queued, and a class this
                         // worker serves is kept out by arena cache of earlier renders, which the
                         // room does not count as free (and which keeps the card above
