@@ -384,6 +384,10 @@ def check_summary(run_dir: Path, vram: Vram) -> dict:
     return out
 
 
+# The fields of the worker's "out of memory" line, as the digests print them.
+OOM_FIELDS = ("job", "batch", "vae", "attempt", "planned_now", "detail")
+
+
 def mixed_summary(run: dict) -> dict:
     if run.get("status") == "skipped":
         return public(run)
@@ -396,7 +400,7 @@ def mixed_summary(run: dict) -> dict:
     counts = run["log_counts"]
     # Only a run that rendered something can say it had no out-of-memory.
     out["zero_admission_ooms"] = counts["oom"] == 0 if counts["job_done"] else None
-    out["oom_lines"] = log.lines("out of memory", ("job", "batch", "vae", "attempt", "planned_now", "detail"))[:20]
+    out["oom_lines"] = log.lines("out of memory", OOM_FIELDS)[:20]
     out["no_room_lines"] = counts["no_room"]
     return out
 
@@ -408,7 +412,7 @@ def oom_summary(run: dict) -> dict:
     out = public(run)
     out["arena_limit_mib"] = fnum(meta, "arena_limit_mib")
     out["cpu_arena_max_mib"] = fnum(meta, "cpu_arena_max_mib")
-    out["oom_lines"] = log.lines("out of memory", ("job", "batch", "vae", "attempt", "planned_now", "detail"))[:30]
+    out["oom_lines"] = log.lines("out of memory", OOM_FIELDS)[:30]
     out["degrading_lines"] = log.lines("degrading in place", ("job", "batch", "vae"))
     out["republished_lines"] = log.lines("re-published one rung down", ("job", "level", "width", "height", "steps", "to"))
     out["failed_lines"] = log.lines("job failed", ("job", "reason", "detail"))
