@@ -10,7 +10,9 @@
 # that fails is recorded with its error and the next one starts):
 #   c1-tuned   concurrency 1, [cuda.unet] conv_algo_search "heuristic"; 16 jobs x 1 image
 #   c2-tuned   concurrency 2, the same [cuda.unet]; 16 x 1, then 4 x 4
+#   c1-capped  c1-tuned with cuDNN's workspace capped on the UNet and the VAE (WS_CAPPED): its speed cost
 #   c2-batch4  concurrency 2, batch_jobs 4, the same [cuda.unet]; 16 x 1 (same size/steps/guidance)
+#   c2-batch4-capped  c2-batch4 with WS_CAPPED
 #   c1-graph   concurrency 1, the same [cuda.unet] plus graph = true; 16 x 1
 #   c1-best    concurrency 1, the UNet benchmark's best: heuristic, fuse_conv_bias, graph; 16 x 1
 #   c1-stock   concurrency 1, no [cuda.*] table (ONNX Runtime's defaults); 16 x 1
@@ -19,12 +21,12 @@
 #
 # budget -> $RESULTS/budget.json, $RESULTS/budget-check*.jsonl (in the order mixed, oom, check, check-ws):
 #   check      `shotfleet-consumer --check-budget SHAPES` (no NATS): predicted vs observed peaks,
-#              with the VAE on ONNX Runtime's defaults
+#              with cuDNN's workspace on ONNX Runtime's default (as much as the card has)
 #   check-ws   the same with conv_max_workspace = false on the UNet and the VAE (WS_CAPPED): cuDNN's
 #              search and algorithms held to 32 MiB of workspace. (The fourth lease ran check-vae,
 #              the VAE alone: no peak changed, so the UNet's workspace is the next suspect.)
 #   mixed      hog.py holds all but HOG_KEEP_FREE_GIB (36) of the card; a worker at concurrency 2,
-#              classes xs..l, default [budget], VAE_SAFE; MIX_JOBS (200) seeded jobs of 512..1536 px, 1-4
+#              classes xs..l, default [budget], WS_CAPPED; MIX_JOBS (200) seeded jobs of 512..1536 px, 1-4
 #              images, MIX_STEPS (4) steps, p0/p1/p2 (storyboards.py mixed); then the hog stops
 #   oom        concurrency 1, [faults] arena_limit_mib = OOM_ARENA_MIB (6144): one 1536x1536 x 4
 #              job (4 steps) that really runs out of memory, then 3 jobs 768x768 x 1 that the
@@ -41,7 +43,7 @@
 # OUT, GPU_SAMPLER, FLEET_DEADLINE_S (it must end within: runs are skipped or cut to fit).
 # Knobs: FLEET_DEVICE, FLEET_MODEL, FLEET_CONFIG (deploy/gpu/fleet.toml), FLEET_WORK (scratch;
 # cuda /root/fleet-work, cpu a temp folder), FLEET_RUNS (speed runs to do, comma list; default
-# all six; budget: mixed,oom,check,check-ws), SPEED_JOBS (16), SPEED_BATCH_JOBS (4), SPEED_BATCH_IMAGES (4), and those named above.
+# all eight; budget: mixed,oom,check,check-ws), SPEED_JOBS (16), SPEED_BATCH_JOBS (4), SPEED_BATCH_IMAGES (4), and those named above.
 # Figures per run and set: fleet_summary.py's docstring. At most 4 files go to $OUT.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.." || exit 1
@@ -77,7 +79,7 @@ else
 fi
 SIZE=$((${SPEED_SIZE:-1024} / SCALE))
 SPEED_JOBS=${SPEED_JOBS:-16}
-if [ "$STAGE" = speed ]; then RUNS=,${FLEET_RUNS:-c1-tuned,c2-tuned,c2-batch4,c1-graph,c1-best,c1-stock},; else RUNS=,${FLEET_RUNS:-mixed,oom,check,check-ws},; fi
+if [ "$STAGE" = speed ]; then RUNS=,${FLEET_RUNS:-c1-tuned,c1-capped,c2-tuned,c2-batch4,c2-batch4-capped,c1-graph,c1-best,c1-stock},; else RUNS=,${FLEET_RUNS:-mixed,oom,check,check-ws},; fi
 RESULTS=${RESULTS:-$WORK/results}
 OUT=${OUT:-$RESULTS}
 STAGE_DIR=$RESULTS/fleet-$STAGE
@@ -130,7 +132,7 @@ calibration() {  # SHAPES [STEPS [COLD]]: COLD false runs the probes back to bac
 }
 
 SPEED_CALIBRATION=512x512x1,768x768x1,1024x1024x1,1024x1024x2
-BUDGET_CALIBRATION=${BUDGET_CALIBRATION:-512x512x1,768x768x1,1024x1024x1,1024x1024x2,1536x1536x1}
+BUDGET_CALIBRATION=${BUDGET_CALIBRATION:-512x512x1,768x768x1,768x768x4,1024x1024x1,1024x1024x2,1536x1536x1}
 # fuse_conv_bias is left out: with it a worker died of an illegal memory access on the first
 # budget lease (2026-11-30, 13:22) once shapes changed; it was measured at one fixed shape only.
 TUNED=$'[cuda.unet]\nconv_algo_search = "heuristic"'
@@ -177,7 +179,10 @@ stage_speed() {
     local b_jobs=${SPEED_BATCH_JOBS:-4} b_images=${SPEED_BATCH_IMAGES:-4}
     speed_run c1-tuned "c1 tuned" "concurrency = 1" "$TUNED" "a:${SPEED_JOBS}x1"
     speed_run c2-tuned "c2 tuned" "concurrency = 2" "$TUNED" "a:${SPEED_JOBS}x1" "b:${b_jobs}x${b_images}"
+    speed_run c1-capped "c1 tuned, workspace capped" "concurrency = 1" "$TUNED"$'\n'"$WS_CAPPED" "a:${SPEED_JOBS}x1"
     speed_run c2-batch4 "c2 batch_jobs 4" $'concurrency = 2\nbatch_jobs = 4' "$TUNED" "a:${SPEED_JOBS}x1"
+    speed_run c2-batch4-capped "c2 batch_jobs 4, workspace capped" $'concurrency = 2\nbatch_jobs = 4' \
+        "$TUNED"$'\n'"$WS_CAPPED" "a:${SPEED_JOBS}x1"
     speed_run c1-graph "c1 cuda graph" "concurrency = 1" "$TUNED"$'\ngraph = true' "a:${SPEED_JOBS}x1"
     speed_run c1-best "c1 best" "concurrency = 1" "$TUNED"$'\nfuse_conv_bias = true\ngraph = true' "a:${SPEED_JOBS}x1"
     speed_run c1-stock "c1 stock" "concurrency = 1" "" "a:${SPEED_JOBS}x1"
@@ -244,12 +249,12 @@ budget_mixed() {
             meta simulated_others_used_mib "$others"
         fi
         SIM_OTHERS=$others write_config "$WORK/mixed.toml" "concurrency = 2" \
-            "$(calibration "$BUDGET_CALIBRATION" 2 "${MIX_COLD:-true}")"$'\n\n'"$TUNED"$'\n\n'"$VAE_SAFE"
+            "$(calibration "$BUDGET_CALIBRATION" 2 "${MIX_COLD:-true}")"$'\n\n'"$TUNED"$'\n'"$WS_CAPPED"
         if worker_start "$WORK/mixed.toml"; then
             python3 "$REPO/deploy/gpu/storyboards.py" mixed "$WORK/jobs.jsonl" --run mixed --set m --jobs "$jobs" \
                 --steps "${MIX_STEPS:-4}" --scale "$SCALE" | tee -a "$RUN_DIR/storyboard.txt"
             # What the forced-OOM run needs after this one is kept back.
-            timeout=$(($(left) - STOP_S - ${OOM_RESERVE_S:-100} - ${CHECK_RESERVE_S:-130}))
+            timeout=$(($(left) - STOP_S - ${OOM_RESERVE_S:-60} - ${CHECK_RESERVE_S:-110}))
             [ "$timeout" -ge 20 ] || timeout=20
             submit_set m "$jobs mixed jobs, ${MIX_STEPS:-4} steps" "$WORK/jobs.jsonl" "$timeout"
         fi
@@ -279,12 +284,12 @@ budget_oom() {
             meta pid_before "$pid"
             python3 "$REPO/deploy/gpu/storyboards.py" uniform "$WORK/jobs.jsonl" --run oom --set big --jobs 1 \
                 --images 4 --width "$(px 1536)" --height "$(px 1536)" --steps "$steps" > /dev/null
-            timeout=$(min_of "${OOM_BIG_LIMIT_S:-240}" $(($(left) - STOP_S - 40 - ${CHECK_RESERVE_S:-130})))
+            timeout=$(min_of "${OOM_BIG_LIMIT_S:-240}" $(($(left) - STOP_S - 40 - ${CHECK_RESERVE_S:-110})))
             submit_set big "1 job $(px 1536)x$(px 1536) x 4 images, $steps steps" "$WORK/jobs.jsonl" "$timeout"
             if worker_alive; then
                 python3 "$REPO/deploy/gpu/storyboards.py" uniform "$WORK/jobs.jsonl" --run oom --set small --jobs 3 \
                     --images 1 --width "$(px 768)" --height "$(px 768)" --steps "$steps" > /dev/null
-                timeout=$(min_of 90 $(($(left) - STOP_S - 5 - ${CHECK_RESERVE_S:-130})))
+                timeout=$(min_of 90 $(($(left) - STOP_S - 5 - ${CHECK_RESERVE_S:-110})))
                 submit_set small "3 jobs $(px 768)x$(px 768) x 1 image, $steps steps" "$WORK/jobs.jsonl" "$timeout"
             fi
             meta pid_after "$WORKER_PID"

@@ -455,7 +455,7 @@ def digest(doc: dict) -> str:
                      f"{check.get('seconds')} s, summary {json.dumps(check.get('summary'))[:400]}")
         for x in check.get("rows", []):
             lines.append(f"  {x.get('width')}x{x.get('height')}x{x.get('images')}: predicted {x.get('predicted_mib')} "
-                         f"observed {x.get('observed_mib')} error {x.get('error')} first {x.get('first_ms')} ms "
+                         f"observed {x.get('observed_mib')} error {x.get('error')} second cold {x.get('observed_again_mib')} first {x.get('first_ms')} ms "
                          f"again {x.get('again_ms')} ms (vae {x.get('again_vae_ms')}) arenas {json.dumps(x.get('arenas_mib'))}")
         if check.get("error"):
             lines.append(f"  error: {check['error']}")

@@ -195,13 +195,14 @@ def budget_md(budget: dict | None) -> list[str]:
         out += [f"### {check.get('label') or name} (`--check-budget`, cold arena, calibration steps): {check.get('status')}, "
                 f"exit {check.get('exit_code')}, {num(check.get('seconds'), '.0f')} s", ""]
         if check.get("rows"):
-            out += ["| shape | predicted MiB | observed MiB | error | predicted / observed | first ms | again ms | again VAE ms "
-                    "| arenas MiB: text, text 2, UNet, VAE (sum) |",
-                    "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+            out += ["| shape | predicted MiB | observed MiB | error | predicted / observed | second cold MiB | first ms "
+                    "| again ms | again VAE ms | arenas MiB: text, text 2, UNet, VAE (sum) |",
+                    "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
             for x in check["rows"]:
                 out.append(f"| {x.get('width')}x{x.get('height')} x {x.get('images')} | {num(x.get('predicted_mib'), '.0f')} "
                            f"| {num(x.get('observed_mib'), '.0f')} | {num(x.get('error'), '+.3f', str(x.get('error') or '-'))} "
-                           f"| {num(x.get('pred_over_obs'), '.3f')} | {num(x.get('first_ms'), '.0f')} "
+                           f"| {num(x.get('pred_over_obs'), '.3f')} | {num(x.get('observed_again_mib'), '.0f')} "
+                           f"| {num(x.get('first_ms'), '.0f')} "
                            f"| {num(x.get('again_ms'), '.0f')} | {num(x.get('again_vae_ms'), '.0f')} | {arenas(x.get('arenas_mib'))} |")
             out += ["", f"max |error| {num(check.get('max_abs_error'), '.3f')}; under-predicted: "
                         f"{', '.join(check.get('under_predicted') or []) or 'none'}; summary {json.dumps(check.get('summary'))}", ""]
