@@ -152,3 +152,28 @@ fn the_cap_is_process_wide_and_set_once() {
     assert_eq!(again.cpu_arena_stats().unwrap().limit, CAP);
     assert!(uncapped().cpu_arena_stats().is_none());
 }
+
+#[test]
+fn every_decode_gives_the_arena_back_so_each_image_starts_from_the_weights() {
+    let pipeline = capped();
+    let before = pipeline.cpu_arena_stats().unwrap();
+    let out = pipeline.render(&request(128, 3, 3, 6.0), &mut go).unwrap();
+    assert_eq!(out.images.len(), 3);
+    let after = pipeline.cpu_arena_stats().unwrap();
+    // The render asked for no shrink of its own (no request_arena_shrink), yet the decoder's runs
+    // gave their regions back: what is reserved after it is far under what its peak held.
+    assert!(after.num_shrinkages > before.num_shrinkages, "{before:?} -> {after:?}");
+    assert!(after.total_allocated * 2 < after.max_in_use, "{after:?}");
+
+    // Tiled: every tile's run shrinks too.
+    let tiled = RenderControl { vae_decode: VaeDecode::Tiled { tile: 64, overlap: 16 }, ..RenderControl::default() };
+    pipeline.render_with(&request(128, 1, 1, 6.0), &tiled, &mut go).unwrap();
+    let tiled_after = pipeline.cpu_arena_stats().unwrap();
+    assert!(tiled_after.num_shrinkages > after.num_shrinkages, "{after:?} -> {tiled_after:?}");
+
+    // A decoder that keeps its arena (`[budget] vae_keeps_arena`) gives nothing back by itself.
+    let keeping = Pipeline::load(&model_dir(), &PipelineOptions { cpu_arena_max_mem: Some(CAP), vae_keeps_arena: true, ..cpu_options() }).unwrap();
+    keeping.render(&request(128, 3, 3, 6.0), &mut go).unwrap();
+    let kept = keeping.cpu_arena_stats().unwrap();
+    assert_eq!(kept.num_shrinkages, tiled_after.num_shrinkages, "{tiled_after:?} -> {kept:?}");
+}

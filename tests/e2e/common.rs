@@ -52,6 +52,8 @@ pub struct WorkerSpec {
     pub p2_max_wait: &'static str,
     /// Extra top-level TOML keys (before any section), e.g. `cpu_arena_max_mib = 200`.
     pub top: String,
+    /// Extra `[budget]` keys, e.g. `vae_keeps_arena = true`.
+    pub budget: &'static str,
     /// The calibration shapes, as TOML.
     pub calibration: &'static str,
     /// Extra TOML appended as is (e.g. a `[faults]` section).
@@ -72,6 +74,7 @@ impl WorkerSpec {
             p1_max_wait: "20s",
             p2_max_wait: "60s",
             top: String::new(),
+            budget: "",
             calibration: "[[128, 128, 1], [256, 256, 1], [512, 512, 1]]",
             extra: String::new(),
             store_url: format!("file://{}", store.display()),
@@ -100,6 +103,7 @@ allow_http = true
 [budget]
 reserve_mib = 64
 margin_mib = 64
+{budget}
 
 [budget.simulate]
 total_mib = {total}
@@ -130,6 +134,7 @@ p2_max_wait = "{p2}"
             extra = self.extra,
             top = self.top,
             calibration = self.calibration,
+            budget = self.budget,
         )
     }
 }

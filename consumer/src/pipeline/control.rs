@@ -10,6 +10,7 @@ use std::sync::{Arc, Mutex, Weak};
 
 use ort::session::RunOptions;
 
+use super::Device;
 use super::error::{RenderError, Stage};
 
 /// Stops renders from another thread. Clones share one state: the worker keeps one clone
@@ -79,7 +80,8 @@ pub(crate) enum Shrink {
     ///
     /// [`Pipeline::request_arena_shrink`]: super::Pipeline::request_arena_shrink
     Requested,
-    /// The last UNet and VAE runs ([`Pipeline::request_arena_shrink`]).
+    /// The last UNet and VAE runs ([`Pipeline::request_arena_shrink`]); a VAE that does not
+    /// keep its arena shrinks after every run anyway ([`Runs::decode`]).
     ///
     /// [`Pipeline::request_arena_shrink`]: super::Pipeline::request_arena_shrink
     AtEnd,
@@ -93,27 +95,35 @@ pub(crate) enum Shrink {
 /// terminate with the handle.
 pub(crate) struct Runs {
     plain: Arc<RunOptions>,
-    shrinking: Option<Arc<RunOptions>>,
+    shrinking: Arc<RunOptions>,
+    /// The last UNet and VAE runs shrink (`AtEnd`, `EveryRun`).
+    at_end: bool,
     every_run: bool,
     handle: CancelHandle,
 }
 
 impl Runs {
-    /// `shrink_key`: the value of `memory.enable_memory_arena_shrinkage` ("cpu:0", "gpu:0").
-    pub(crate) fn new(handle: &CancelHandle, shrink: Shrink, shrink_key: &str) -> Result<Runs, RenderError> {
+    /// `device`: whose arenas the shrinking runs shrink.
+    pub(crate) fn new(handle: &CancelHandle, shrink: Shrink, device: &Device) -> Result<Runs, RenderError> {
         let err = RenderError::runtime(Stage::TextEncode);
         let plain = Arc::new(RunOptions::new().map_err(err)?);
         handle.attach(&plain).map_err(err)?;
-        let shrinking = if matches!(shrink, Shrink::Never | Shrink::Requested) {
-            None
-        } else {
-            let mut options = RunOptions::new().map_err(err)?;
-            options.set("memory.enable_memory_arena_shrinkage", shrink_key).map_err(err)?;
-            let options = Arc::new(options);
-            handle.attach(&options).map_err(err)?;
-            Some(options)
+        // The value names the arenas' devices as ONNX Runtime writes them.
+        let arenas = match device {
+            Device::Cpu => "cpu:0".to_owned(),
+            Device::Cuda { gpu, .. } => format!("gpu:{gpu}"),
         };
-        Ok(Runs { plain, shrinking, every_run: shrink == Shrink::EveryRun, handle: handle.clone() })
+        let mut shrinking = RunOptions::new().map_err(err)?;
+        shrinking.set("memory.enable_memory_arena_shrinkage", arenas).map_err(err)?;
+        let shrinking = Arc::new(shrinking);
+        handle.attach(&shrinking).map_err(err)?;
+        Ok(Runs {
+            plain,
+            shrinking,
+            at_end: matches!(shrink, Shrink::AtEnd | Shrink::EveryRun),
+            every_run: shrink == Shrink::EveryRun,
+            handle: handle.clone(),
+        })
     }
 
     /// Options for a run that is not a graph's last of the render.
@@ -123,10 +133,14 @@ impl Runs {
 
     /// Options for a run; `is_last`: the graph's last run of the render.
     pub(crate) fn last(&self, is_last: bool) -> &RunOptions {
-        match &self.shrinking {
-            Some(options) if is_last || self.every_run => options,
-            _ => &self.plain,
-        }
+        if (is_last && self.at_end) || self.every_run { &self.shrinking } else { &self.plain }
+    }
+
+    /// Options for a VAE decoder run that does not keep its arena, whatever the render's
+    /// [`Shrink`]: they shrink it at the end of the run, so that every decode starts from the
+    /// weights alone (vae.rs says why).
+    pub(crate) fn decode(&self) -> &RunOptions {
+        &self.shrinking
     }
 
     /// Options for a UNet run in a session that captures CUDA graphs: `gpu_graph_id` names the

@@ -146,6 +146,11 @@ pub struct PipelineOptions {
     /// `[cuda.unet] graph` turns this on with the capture; alone (on the CPU) it runs the same
     /// buffer plumbing without one, which is how CI tests it.
     pub fixed_unet_buffers: bool,
+    /// The VAE decoder keeps its arena's regions from one decode to the next, as the UNet does,
+    /// instead of shrinking after every decode (vae.rs). Faster by the regions' allocation
+    /// (about 60 ms per 1024x1024 image on an H200), but the decoder's peak then grows over
+    /// repeated decodes by what fragmentation adds, which the budget's probes do not see.
+    pub vae_keeps_arena: bool,
 }
 
 impl PipelineOptions {
@@ -330,7 +335,7 @@ impl Pipeline {
         let vae = VaeDecoder::load(&env, &config, options)?;
 
         // One real encode proves the encoders run and tells the conditioning widths.
-        let probe = text.encode("", &Runs::new(&CancelHandle::new(), Shrink::Never, "").map_err(|e| LoadError::Graph {
+        let probe = text.encode("", &Runs::new(&CancelHandle::new(), Shrink::Never, &options.device).map_err(|e| LoadError::Graph {
             path: model_dir.join(model::TEXT_ENCODER),
             detail: format!("cannot create run options: {e}"),
         })?).map_err(|e| LoadError::Graph {
@@ -456,7 +461,7 @@ impl Pipeline {
     /// # Errors
     /// As [`Pipeline::render`], stage text_encode.
     pub fn encode_prompt(&self, text: &str) -> Result<PromptEmbeds, RenderError> {
-        self.text.encode(text, &Runs::new(&CancelHandle::new(), Shrink::Never, "")?)
+        self.text.encode(text, &Runs::new(&CancelHandle::new(), Shrink::Never, &self.info.device)?)
     }
 
     /// The schedule a render with `steps` steps uses.
@@ -581,11 +586,7 @@ impl Pipeline {
             Shrink::Requested => Shrink::Never,
             other => other,
         };
-        let shrink_key = match &self.info.device {
-            Device::Cpu => "cpu:0".to_owned(),
-            Device::Cuda { gpu, .. } => format!("gpu:{gpu}"),
-        };
-        let runs = Runs::new(&control.cancel, shrink, &shrink_key)?;
+        let runs = Runs::new(&control.cancel, shrink, &self.info.device)?;
 
         // Text: each request's own conditioning.
         let started = Instant::now();

@@ -4,6 +4,16 @@
 //! the UNet's per image, and decoding singly keeps its peak independent of the batch size (the
 //! result is the same image).
 //!
+//! Every decoder run also shrinks the decoder's arena at its end, so each decode starts from the
+//! weights alone (unless [`PipelineOptions::vae_keeps_arena`]). Kept, the arena, growing by what
+//! each request asks (DESIGN.md's GPU memory), fragments over repeated decodes: on the H200
+//! (2026-11-30, fifth lease) four 768x768 decodes in a row left it 1155 MiB larger than one, and
+//! a first 1152x896 render of two images held 3.4 GiB more than a second one of the same shape.
+//! Shrunk, a decode's peak is one image's whatever ran before, which is what the budget's probes
+//! measure (sixth lease: 768x768 x 4 within 0.1% of its estimate, and the decoder's arena back to
+//! its 189 MiB of weights after every render); the price is the regions allocated again for each
+//! image: the decode of a 1024x1024 image took 157 ms against 94 ms.
+//!
 //! Tiled decoding ([`VaeDecode::Tiled`]), the next rung of the degrade ladder, is diffusers'
 //! `AutoencoderKL.tiled_decode`: latent tiles overlapping by `overlap / 8`, each decoded alone,
 //! blended linearly over `overlap` pixels with the tiles above and to the left, then cropped to
@@ -13,7 +23,6 @@
 
 use ort::environment::Environment;
 use ort::memory::{AllocationDevice, AllocatorType, MemoryInfo, MemoryType};
-use ort::session::RunOptions;
 
 use super::error::{LoadError, RenderError, Stage};
 use super::model::{FolderConfig, VAE_DECODER};
@@ -23,6 +32,8 @@ use super::{PipelineOptions, VaeDecode};
 
 pub(crate) struct VaeDecoder {
     session: ModelSession,
+    /// [`PipelineOptions::vae_keeps_arena`].
+    keeps_arena: bool,
     input: Port,
     output: String,
     scaling_factor: f32,
@@ -53,11 +64,18 @@ impl VaeDecoder {
             .name
             .clone();
         let latent_channels = usize::try_from(input.dims[1]).ok();
-        Ok(VaeDecoder { session, input, output, scaling_factor: config.vae_scaling_factor, latent_channels })
+        Ok(VaeDecoder {
+            session,
+            keeps_arena: options.vae_keeps_arena,
+            input,
+            output,
+            scaling_factor: config.vae_scaling_factor,
+            latent_channels,
+        })
     }
 
     /// Decodes one image's final latents `[c, h, w]`, whole or in tiles. `is_last`: this is
-    /// the render's last VAE work (the last tile's run may shrink the arena).
+    /// the render's last VAE work (where a decoder that keeps its arena may shrink it).
     pub(crate) fn decode(&self, latents: &[f32], shape: [usize; 3], how: VaeDecode, f: usize, runs: &Runs, is_last: bool) -> Result<Decoded, RenderError> {
         let [c, h, w] = shape;
         let scaled: Vec<f32> = latents.iter().map(|&x| x / self.scaling_factor).collect();
@@ -67,7 +85,7 @@ impl VaeDecoder {
         };
         // As diffusers: an image that fits in one tile is decoded whole.
         if h <= tile && w <= tile {
-            return self.run(&scaled, c, h, w, runs.last(is_last), runs);
+            return self.run(&scaled, c, h, w, runs, is_last);
         }
         let stride = tile - overlap;
         let (blend, keep) = (overlap * f, stride * f);
@@ -86,15 +104,16 @@ impl VaeDecoder {
                     }
                 }
                 let last = is_last && ri + 1 == rows.len() && ci + 1 == cols.len();
-                row.push(self.run(&crop, c, th, tw, runs.last(last), runs)?);
+                row.push(self.run(&crop, c, th, tw, runs, last)?);
             }
             grid.push(row);
         }
         Ok(blend_tiles(grid, blend, keep, h * f, w * f))
     }
 
-    /// One decoder run on already scaled latents `[c, h, w]`.
-    fn run(&self, scaled: &[f32], c: usize, h: usize, w: usize, options: &RunOptions, runs: &Runs) -> Result<Decoded, RenderError> {
+    /// One decoder run on already scaled latents `[c, h, w]`; it shrinks the arena at its end
+    /// unless the decoder keeps it (then as the render's `is_last` run says).
+    fn run(&self, scaled: &[f32], c: usize, h: usize, w: usize, runs: &Runs, is_last: bool) -> Result<Decoded, RenderError> {
         let err = runs.err(Stage::Vae);
         runs.check(Stage::Vae)?;
         let input = float_tensor(&self.input, &[1, c, h, w], scaled).map_err(err)?;
@@ -103,6 +122,7 @@ impl VaeDecoder {
         let host = MemoryInfo::new(AllocationDevice::CPU, 0, AllocatorType::Device, MemoryType::Default).map_err(err)?;
         binding.bind_input(self.input.name.as_str(), &input).map_err(err)?;
         binding.bind_output_to_device(self.output.as_str(), &host).map_err(err)?;
+        let options = if self.keeps_arena { runs.last(is_last) } else { runs.decode() };
         let outputs = session.run_binding_with_options(&binding, options).map_err(err)?;
         let (shape, chw) = extract_f32(&outputs[0]).map_err(|detail| RenderError::Output { stage: Stage::Vae, detail })?;
         if shape.len() != 4 || shape[0] != 1 || shape[1] != 3 {

@@ -118,6 +118,7 @@ fn pipeline_options(config: &WorkerConfig, total: u64, free: u64) -> PipelineOpt
         device,
         intra_threads: config.intra_threads,
         cpu_arena_max_mem: config.cpu_arena_max_mib.map(|mib| mib * budget::MIB),
+        vae_keeps_arena: config.budget.vae_keeps_arena,
         ..PipelineOptions::default()
     }
 }
