@@ -248,6 +248,8 @@ budget_mixed() {
             others=${SIM_OTHERS_MIB:-3000}
             meta simulated_others_used_mib "$others"
         fi
+        meta top "concurrency = 2"
+        meta cuda "$(tr '\n' ';' <<< "$TUNED"$'\n'"$WS_CAPPED")"
         SIM_OTHERS=$others write_config "$WORK/mixed.toml" "concurrency = 2" \
             "$(calibration "$BUDGET_CALIBRATION" 2 "${MIX_COLD:-true}")"$'\n\n'"$TUNED"$'\n'"$WS_CAPPED"
         if worker_start "$WORK/mixed.toml"; then
@@ -276,6 +278,7 @@ budget_oom() {
             top=$'concurrency = 1\n'"cpu_arena_max_mib = ${CPU_ARENA_MIB:-8}"
             meta cpu_arena_max_mib "${CPU_ARENA_MIB:-8}"
         fi
+        meta top "$(tr '\n' ';' <<< "$top")"
         # Probes small enough for the capped arena: the budget extrapolates, and admits the big job.
         SIM_OTHERS=0 write_config "$WORK/oom.toml" "$top" \
             "$(calibration "${OOM_CALIBRATION:-512x512x1,768x768x1}" 2 false)"$'\n\n'"$tables"
