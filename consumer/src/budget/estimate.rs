@@ -49,10 +49,12 @@ impl Shape {
         (self.latent_pixels() * u64::from(self.images) * 2) as f64
     }
 
-    /// Needs no more memory than `other`: no more latent pixels and no more images. A peak
-    /// seen at `self` is a lower bound for `other`.
+    /// Needs no more memory than `other`: neither side longer and no more images. A peak seen
+    /// at `self` is a lower bound for `other`. Sides, not pixels: on the H200 (2026-11-30) a
+    /// 1152x896 render needed 2.6 GiB more than a 1024x1024 one of as many images, with fewer
+    /// pixels, so its peak says nothing about the square's.
     fn fits_within(&self, other: &Shape) -> bool {
-        self.latent_pixels() <= other.latent_pixels() && self.images <= other.images
+        self.width <= other.width && self.height <= other.height && self.images <= other.images
     }
 }
 
@@ -379,6 +381,20 @@ mod tests {
         let small = Shape::new(512, 512, 1);
         let under = estimate.observe(Sample { shape: small, peak_bytes: estimate.need(small) / 2 }, 8);
         assert!(under < 0.0);
+    }
+
+    #[test]
+    fn a_floor_binds_shapes_no_smaller_on_either_side() {
+        let mut estimate = calibrated();
+        let wide = Shape::new(1152, 896, 2);
+        let high = estimate.need(wide) * 2;
+        estimate.raise_floor(wide, high);
+        assert_eq!(estimate.need(wide), high);
+        assert!(estimate.need(Shape::new(1152, 1152, 2)) >= high);
+        assert!(estimate.need(Shape::new(1152, 896, 3)) >= high);
+        // Fewer pixels than 1024x1024, yet its floor does not bind the square, nor its transpose.
+        assert!(estimate.need(Shape::new(1024, 1024, 2)) < high);
+        assert!(estimate.need(Shape::new(896, 1152, 2)) < high);
     }
 
     #[test]
