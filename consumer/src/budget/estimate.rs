@@ -7,8 +7,8 @@
 //! goes on ONNX Runtime, where each graph has its own arena and keeps it for the whole render:
 //! `fixed` is what any render holds (text encoder outputs, kernel workspaces); `per_unit` the
 //! UNet's activations, which grow with the batch; the `L` terms the VAE decoder, which decodes
-//! one image at a time in float32 from an arena shrunk after each image (vae.rs), with an attention over all latent pixels that grows with
-//! their square where it is not fused. On the first H200 lease the 1024x1024 render peaked at
+//! one image at a time in float32 from an arena shrunk after each image (vae.rs), with an
+//! attention over all latent pixels that grows with their square where it is not fused. On the first H200 lease the 1024x1024 render peaked at
 //! 8.8 GiB above the models with one image and 9.2 GiB with two: most of a render's memory grows
 //! with the image, not the batch, which a batch-only model cannot express.
 //!
