@@ -13,6 +13,8 @@
 #   c1-capped  c1-tuned with cuDNN's workspace capped on the UNet and the VAE (WS_CAPPED): its speed cost
 #   c2-batch4  concurrency 2, batch_jobs 4, the same [cuda.unet]; 16 x 1 (same size/steps/guidance)
 #   c2-batch4-capped  c2-batch4 with WS_CAPPED
+#   c1-keep, c2-batch4-keep  c1-tuned, c2-batch4 with [budget] vae_keeps_arena = true (VAE_KEEPS):
+#              the cost of the VAE's per-decode arena shrink, the default since the sixth lease
 #   c1-graph   concurrency 1, the same [cuda.unet] plus graph = true; 16 x 1
 #   c1-best    concurrency 1, the UNet benchmark's best: heuristic, fuse_conv_bias, graph; 16 x 1
 #   c1-stock   concurrency 1, no [cuda.*] table (ONNX Runtime's defaults); 16 x 1
@@ -43,7 +45,7 @@
 # OUT, GPU_SAMPLER, FLEET_DEADLINE_S (it must end within: runs are skipped or cut to fit).
 # Knobs: FLEET_DEVICE, FLEET_MODEL, FLEET_CONFIG (deploy/gpu/fleet.toml), FLEET_WORK (scratch;
 # cuda /root/fleet-work, cpu a temp folder), FLEET_RUNS (speed runs to do, comma list; default
-# all eight; budget: mixed,oom,check,check-ws), SPEED_JOBS (16), SPEED_BATCH_JOBS (4), SPEED_BATCH_IMAGES (4), and those named above.
+# all ten; budget: mixed,oom,check,check-ws), SPEED_JOBS (16), SPEED_BATCH_JOBS (4), SPEED_BATCH_IMAGES (4), and those named above.
 # Figures per run and set: fleet_summary.py's docstring. At most 4 files go to $OUT.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.." || exit 1
@@ -79,7 +81,7 @@ else
 fi
 SIZE=$((${SPEED_SIZE:-1024} / SCALE))
 SPEED_JOBS=${SPEED_JOBS:-16}
-if [ "$STAGE" = speed ]; then RUNS=,${FLEET_RUNS:-c1-tuned,c1-capped,c2-tuned,c2-batch4,c2-batch4-capped,c1-graph,c1-best,c1-stock},; else RUNS=,${FLEET_RUNS:-mixed,oom,check,check-ws},; fi
+if [ "$STAGE" = speed ]; then RUNS=,${FLEET_RUNS:-c1-tuned,c1-capped,c1-keep,c2-tuned,c2-batch4,c2-batch4-capped,c2-batch4-keep,c1-graph,c1-best,c1-stock},; else RUNS=,${FLEET_RUNS:-mixed,oom,check,check-ws},; fi
 RESULTS=${RESULTS:-$WORK/results}
 OUT=${OUT:-$RESULTS}
 STAGE_DIR=$RESULTS/fleet-$STAGE
@@ -114,7 +116,12 @@ write_config() {
     local file=$1 top=$2 tables=$3
     if [ "$DEVICE" = cpu ]; then
         tables=$(awk '/^\[cuda[].]/ {skip = 1; next} /^\[/ {skip = 0} !skip' <<< "$tables")
+        # A run's own [budget] keys (e.g. vae_keeps_arena) join the dry run's in one table.
+        local budget_keys
+        budget_keys=$(awk '/^\[budget\]/ {on = 1; next} /^\[/ {on = 0} on && NF' <<< "$tables")
+        tables=$(awk '/^\[budget\]/ {skip = 1; next} /^\[/ {skip = 0} !skip' <<< "$tables")
         tables+=$'\n'"[budget]"$'\n'"reserve_mib = 64"$'\n'"margin_mib = 64"
+        [ -n "$budget_keys" ] && tables+=$'\n'"$budget_keys"
         tables+=$'\n\n'"[budget.simulate]"$'\n'"total_mib = ${SIM_TOTAL_MIB:-4096}"$'\n'"others_used_mib = ${SIM_OTHERS:-0}"
         tables+=$'\n\n'"[degrade]"$'\n'"min_side = 64"$'\n'"min_steps = 2"
     fi
@@ -141,6 +148,9 @@ TUNED=$'[cuda.unet]\nconv_algo_search = "heuristic"'
 # WS_CAPPED caps the UNet's too: it continues TUNED's [cuda.unet] table.
 VAE_SAFE=$'[cuda.vae]\nconv_max_workspace = false'
 WS_CAPPED=$'conv_max_workspace = false\n\n'"$VAE_SAFE"
+# The VAE decoder keeping its arena between decodes, as before the sixth lease: what the
+# per-decode shrink (the default) costs in images/s.
+VAE_KEEPS=$'[budget]\nvae_keeps_arena = true'
 
 # --- speed --------------------------------------------------------------------------------------
 # speed_run NAME LABEL TOP CUDA_TABLE SET...: SET is KEY:JOBSxIMAGES (e.g. a:16x1).
@@ -183,6 +193,9 @@ stage_speed() {
     speed_run c2-batch4 "c2 batch_jobs 4" $'concurrency = 2\nbatch_jobs = 4' "$TUNED" "a:${SPEED_JOBS}x1"
     speed_run c2-batch4-capped "c2 batch_jobs 4, workspace capped" $'concurrency = 2\nbatch_jobs = 4' \
         "$TUNED"$'\n'"$WS_CAPPED" "a:${SPEED_JOBS}x1"
+    speed_run c1-keep "c1 tuned, VAE keeps its arena" "concurrency = 1" "$TUNED"$'\n\n'"$VAE_KEEPS" "a:${SPEED_JOBS}x1"
+    speed_run c2-batch4-keep "c2 batch_jobs 4, VAE keeps its arena" $'concurrency = 2\nbatch_jobs = 4' \
+        "$TUNED"$'\n\n'"$VAE_KEEPS" "a:${SPEED_JOBS}x1"
     speed_run c1-graph "c1 cuda graph" "concurrency = 1" "$TUNED"$'\ngraph = true' "a:${SPEED_JOBS}x1"
     speed_run c1-best "c1 best" "concurrency = 1" "$TUNED"$'\nfuse_conv_bias = true\ngraph = true' "a:${SPEED_JOBS}x1"
     speed_run c1-stock "c1 stock" "concurrency = 1" "" "a:${SPEED_JOBS}x1"
