@@ -96,9 +96,7 @@ pub(crate) enum Shrink {
 pub(crate) struct Runs {
     plain: Arc<RunOptions>,
     shrinking: Arc<RunOptions>,
-    /// The last UNet and VAE runs shrink (`AtEnd`, `EveryRun`).
-    at_end: bool,
-    every_run: bool,
+    shrink: Shrink,
     handle: CancelHandle,
 }
 
@@ -117,13 +115,7 @@ impl Runs {
         shrinking.set("memory.enable_memory_arena_shrinkage", arenas).map_err(err)?;
         let shrinking = Arc::new(shrinking);
         handle.attach(&shrinking).map_err(err)?;
-        Ok(Runs {
-            plain,
-            shrinking,
-            at_end: matches!(shrink, Shrink::AtEnd | Shrink::EveryRun),
-            every_run: shrink == Shrink::EveryRun,
-            handle: handle.clone(),
-        })
+        Ok(Runs { plain, shrinking, shrink, handle: handle.clone() })
     }
 
     /// Options for a run that is not a graph's last of the render.
@@ -133,7 +125,11 @@ impl Runs {
 
     /// Options for a run; `is_last`: the graph's last run of the render.
     pub(crate) fn last(&self, is_last: bool) -> &RunOptions {
-        if (is_last && self.at_end) || self.every_run { &self.shrinking } else { &self.plain }
+        match self.shrink {
+            Shrink::EveryRun => &self.shrinking,
+            Shrink::AtEnd if is_last => &self.shrinking,
+            Shrink::AtEnd | Shrink::Requested | Shrink::Never => &self.plain,
+        }
     }
 
     /// Options for a VAE decoder run that does not keep its arena, whatever the render's

@@ -27,18 +27,23 @@ pub struct CheckedShape {
     pub observed_mib: f64,
     /// `(observed - predicted) / predicted`: above 0 the estimate ran low.
     pub error: f64,
-    /// The peak of a second render from shrunk arenas, the shape now known to every graph. Well
-    /// under `observed_mib`: the first render of a shape costs extra, which the budget must plan.
+    /// The peak of a second render from shrunk arenas, the shape now known to every graph. Under
+    /// `observed_mib` where a shape's first render costs extra (1152x896 x 2 on the H200, by
+    /// 2.4-3.4 GiB); the same where it does not (every other shape checked there).
     pub observed_again_mib: f64,
     /// The first render of the shape, from shrunk arenas (cuDNN's algorithm search included).
     pub first_ms: f64,
-    /// The same shape rendered again at once: what a job of it costs once the shape is known.
+    /// A third render of the shape, right after the second and without shrinking: what a job
+    /// of it costs once the shape is known.
     pub again_ms: f64,
-    /// That second render's VAE decode alone, which `[cuda.vae]` changes.
+    /// That third render's VAE decode alone, which `[cuda.vae]` and `[budget] vae_keeps_arena`
+    /// change.
     pub again_vae_ms: f64,
-    /// Each graph's arena after the first render, MiB reserved (ONNX Runtime's
-    /// `TotalAllocated`; every arena starts that render shrunk). Their sum short of
-    /// `observed_mib` is memory outside the arenas. Graphs whose arena gives no counters are left out.
+    /// Each graph's arena after the first render, MiB reserved, its weights included (ONNX
+    /// Runtime's `TotalAllocated`; every arena starts that render shrunk). Their growth over the
+    /// arenas right after loading, short of `observed_mib`, is memory outside the arenas. The
+    /// VAE's has given its regions back after each decode unless `[budget] vae_keeps_arena`, so
+    /// it shows the weights alone. Graphs whose arena gives no counters are left out.
     pub arenas_mib: std::collections::BTreeMap<&'static str, f64>,
 }
 
