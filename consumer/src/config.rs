@@ -125,7 +125,9 @@ impl Default for LeakGuardConfig {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct CalibrationConfig {
-    /// `[width, height, images]`, smallest first; at least two distinct sizes.
+    /// `[width, height, images]`, smallest first; at least two distinct sizes. List every size
+    /// the fleet serves (one image each): a probed size's extra over the model carries to all its
+    /// image counts (budget/estimate.rs).
     pub shapes: Vec<[u32; 3]>,
     /// Steps of each probe render (memory does not depend on it; time does).
     pub steps: u32,

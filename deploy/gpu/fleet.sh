@@ -33,7 +33,7 @@
 #   oom        concurrency 1, [faults] arena_limit_mib = OOM_ARENA_MIB (6144): one 1536x1536 x 4
 #              job (4 steps) that really runs out of memory, then 3 jobs 768x768 x 1 that the
 #              same process must still serve
-# The check and the mixed run calibrate with 512..1536 (BUDGET_CALIBRATION) at 2 steps; all three
+# The check and the mixed run calibrate on the mixed run's sizes (BUDGET_CALIBRATION) at 2 steps; all three
 # use the tuned [cuda] options of the speed runs (what an operator would run).
 #
 # The CPU dry run (FLEET_DEVICE=cpu, tiny model): every side divided by 8 (1024 -> 128, 64..192
@@ -139,7 +139,10 @@ calibration() {  # SHAPES [STEPS [COLD]]: COLD false runs the probes back to bac
 }
 
 SPEED_CALIBRATION=512x512x1,768x768x1,1024x1024x1,1024x1024x2
-BUDGET_CALIBRATION=${BUDGET_CALIBRATION:-512x512x1,768x768x1,768x768x4,1024x1024x1,1024x1024x2,1536x1536x1}
+# Every size the mixed run serves (storyboards.py MIXED_SIZES) at one image, plus the batch probes
+# (768x768 x 4, 1024x1024 x 2): a probed size's extra over the model carries to its other image
+# counts, which the check's 1152x896 x 2 and 896x1152 x 3 then test.
+BUDGET_CALIBRATION=${BUDGET_CALIBRATION:-512x512x1,640x768x1,768x768x1,768x768x4,896x1152x1,1152x896x1,1024x1024x1,1024x1024x2,1280x1280x1,1536x1536x1}
 # fuse_conv_bias is left out: with it a worker died of an illegal memory access on the first
 # budget lease (2026-11-30, 13:22) once shapes changed; it was measured at one fixed shape only.
 TUNED=$'[cuda.unet]\nconv_algo_search = "heuristic"'
