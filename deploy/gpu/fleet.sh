@@ -140,9 +140,10 @@ calibration() {  # SHAPES [STEPS [COLD]]: COLD false runs the probes back to bac
 
 SPEED_CALIBRATION=512x512x1,768x768x1,1024x1024x1,1024x1024x2
 # Every size the mixed run serves (storyboards.py MIXED_SIZES) at one image, plus the batch probes
-# (768x768 x 4, 1024x1024 x 2): a probed size's extra over the model carries to its other image
-# counts, which the check's 1152x896 x 2 and 896x1152 x 3 then test.
-BUDGET_CALIBRATION=${BUDGET_CALIBRATION:-512x512x1,640x768x1,768x768x1,768x768x4,896x1152x1,1152x896x1,1024x1024x1,1024x1024x2,1280x1280x1,1536x1536x1}
+# (768x768 x 4, 1024x1024 x 2, 1536x1536 x 2: the batch terms, which grow with the square of the
+# tokens where attention is not fused): a probed size's offset from the model carries to its other
+# image counts, which the check's 1152x896 x 2 and 896x1152 x 3 then test.
+BUDGET_CALIBRATION=${BUDGET_CALIBRATION:-512x512x1,640x768x1,768x768x1,768x768x4,896x1152x1,1152x896x1,1024x1024x1,1024x1024x2,1280x1280x1,1536x1536x1,1536x1536x2}
 # fuse_conv_bias is left out: with it a worker died of an illegal memory access on the first
 # budget lease (2026-11-30, 13:22) once shapes changed; it was measured at one fixed shape only.
 TUNED=$'[cuda.unet]\nconv_algo_search = "heuristic"'

@@ -1,6 +1,6 @@
 //! The per-render memory need, fitted to measured peaks:
 //!
-//! `need = fixed + per_unit x units + per_pixel x L + per_pixel_sq x L^2`
+//! `need = fixed + per_unit x units + per_pixel x L + per_pixel_sq x L^2 + per_unit_pixel x units x L`
 //!
 //! with `units = latent pixels x images x 2` (the UNet's guidance batch: negative and positive run
 //! together) and `L` the latent pixels of one image. The terms follow where a render's memory
@@ -8,9 +8,13 @@
 //! `fixed` is what any render holds (text encoder outputs, kernel workspaces); `per_unit` the
 //! UNet's activations, which grow with the batch; the `L` terms the VAE decoder, which decodes
 //! one image at a time in float32 from an arena shrunk after each image (vae.rs), with an
-//! attention over all latent pixels that grows with their square where it is not fused. On the first H200 lease the 1024x1024 render peaked at
-//! 8.8 GiB above the models with one image and 9.2 GiB with two: most of a render's memory grows
-//! with the image, not the batch, which a batch-only model cannot express.
+//! attention over all latent pixels that grows with their square where it is not fused;
+//! `per_unit_pixel` the UNet's attention scores where they are not fused either (a plain fp16
+//! export), which grow with the batch times the square of the tokens: on the H200 one more
+//! 1536x1536 image cost 6.6 GiB there against 1.3 GiB at 1024x1024, and 0.8 / 0.3 GiB with ORT's
+//! fused attention. On the first H200 lease the 1024x1024 render peaked at 8.8 GiB above the
+//! models with one image and 9.2 GiB with two: most of a render's memory grows with the image,
+//! not the batch, which a batch-only model cannot express.
 //!
 //! The smooth model cannot see what one spatial size costs beyond its pixel count: ONNX Runtime
 //! and cuDNN pick kernels, workspaces and memory plans per size, and on the H200 (2026-11-30) a
@@ -20,13 +24,13 @@
 //! needed beyond the fit, or short of it, applied to every image count of that size. A fleet's
 //! sizes are few (SDXL's buckets); probing each one (`[calibration] shapes`) gives the offsets
 //! before the first job. On the H200 that put every checked shape of a probed size within 8%
-//! of its peak; sizes never rendered were 13-19% low until their first render (`h200_replay`).
+//! of its peak; sizes never rendered were 13-23% low until their first render (the replay tests).
 //!
 //! Least squares over the probe renders and recent observations, every part non-negative: the
-//! fit tries the full model and seven simpler ones (`MODELS`: each keeps the batch term, or is
-//! the fixed part alone), and keeps the closest whose parts are all non-negative, the simpler on
-//! a tie. A size the fit misses by more than 10% is odd: it is left out and the rest refitted,
-//! worst first, so one odd size does not tilt the need of every other (its offset carries it). Extra terms are not otherwise penalised: with noisy peaks the fullest model the shapes
+//! fit tries the full model and every simpler one that keeps the batch term, and the fixed part
+//! alone (`models`), and keeps the closest whose parts are all non-negative, the simpler on
+//! a tie; then once more without the odd sizes (the fit misses them by over 10%) that were seen
+//! at one image count only, worst first (`fit`). Extra terms are not otherwise penalised: with noisy peaks the fullest model the shapes
 //! allow usually wins. A model of `k` terms needs `k + 1` distinct shapes (two for the two-term
 //! ones), so a few probes cannot be interpolated by a curve that extrapolates wildly.
 
@@ -48,6 +52,11 @@ pub struct Shape {
 impl Shape {
     pub const fn new(width: u32, height: u32, images: u32) -> Self {
         Self { width, height, images }
+    }
+
+    /// Width and height: what the shapes of one size share.
+    pub fn size(&self) -> (u32, u32) {
+        (self.width, self.height)
     }
 
     /// The latent's pixels: the VAE downsamples by 8 on each side.
@@ -99,16 +108,21 @@ pub struct Coefficients {
     pub per_pixel: f64,
     /// Per squared latent pixel count of one image.
     pub per_pixel_sq: f64,
+    /// Per unit and latent pixel of one image: attention scores that are not fused.
+    pub per_unit_pixel: f64,
 }
 
 impl Coefficients {
     fn need(&self, shape: Shape) -> f64 {
-        let [one, units, pixels, pixels_sq] = features(shape);
-        self.fixed * one + self.per_unit * units + self.per_pixel * pixels + self.per_pixel_sq * pixels_sq
+        dot(&self.values(), &features(shape))
+    }
+
+    fn values(&self) -> [f64; TERMS] {
+        [self.fixed, self.per_unit, self.per_pixel, self.per_pixel_sq, self.per_unit_pixel]
     }
 
     fn grows(&self) -> bool {
-        self.per_unit > 0.0 || self.per_pixel > 0.0 || self.per_pixel_sq > 0.0
+        self.values()[1..].iter().any(|&v| v > 0.0)
     }
 }
 
@@ -154,7 +168,7 @@ impl Estimate {
     fn size_offset(&self, shape: Shape) -> f64 {
         self.floors
             .iter()
-            .filter(|f| (f.shape.width, f.shape.height) == (shape.width, shape.height))
+            .filter(|f| f.shape.size() == shape.size())
             .map(|f| f.peak_bytes as f64 - self.terms.need(f.shape))
             .reduce(f64::max)
             .unwrap_or(0.0)
@@ -203,24 +217,26 @@ impl Estimate {
     }
 }
 
-/// `[1, units, L, L^2]` of a shape: the model's variables.
-fn features(shape: Shape) -> [f64; 4] {
+/// The model's terms: `fixed`, `per_unit`, `per_pixel`, `per_pixel_sq`, `per_unit_pixel`.
+const TERMS: usize = 5;
+
+/// `[1, units, L, L^2, units x L]` of a shape: the model's variables.
+fn features(shape: Shape) -> [f64; TERMS] {
     let pixels = shape.latent_pixels() as f64;
-    [1.0, shape.units(), pixels, pixels * pixels]
+    [1.0, shape.units(), pixels, pixels * pixels, shape.units() * pixels]
 }
 
-/// The candidate models, as masks over `[fixed, per_unit, per_pixel, per_pixel_sq]`, simplest
-/// last: ties go to the simpler.
-const MODELS: [[bool; 4]; 8] = [
-    [true, true, true, true],
-    [true, true, true, false],
-    [true, true, false, true],
-    [false, true, true, true],
-    [true, true, false, false],
-    [false, true, true, false],
-    [false, true, false, false],
-    [true, false, false, false],
-];
+/// The candidate models, as masks over the terms, fullest first (a tie goes to the later,
+/// simpler one): every one with the batch term, and the fixed part alone.
+fn models() -> Vec<[bool; TERMS]> {
+    let mut masks: Vec<[bool; TERMS]> = (0u32..1 << TERMS)
+        .map(|bits| std::array::from_fn(|term| bits & (1 << term) != 0))
+        .filter(|mask: &[bool; TERMS]| mask[1])
+        .collect();
+    masks.push(std::array::from_fn(|term| term == 0));
+    masks.sort_by_key(|mask| std::cmp::Reverse(mask.iter().filter(|&&on| on).count()));
+    masks
+}
 
 /// Shapes the model can tell apart: by latent pixels and images (1024x768 and 768x1024 are one).
 fn distinct_shapes(samples: &[Sample]) -> usize {
@@ -230,57 +246,68 @@ fn distinct_shapes(samples: &[Sample]) -> usize {
     shapes.len()
 }
 
-/// A size whose samples the fit misses by more than this share of their peak is odd: its
-/// offset carries it, and it does not steer the smooth model. Squares on the H200 sat within 7%
-/// of the fit; the odd sizes it saw were 20-60% over.
+/// A size the fit misses by more than this share of its peak is odd (see [`fit`]). Squares on
+/// the H200 sat within 8% of the fit; the odd sizes it saw were 20-60% over.
 const ODD_SIZE: f64 = 0.10;
 
-/// Odd sizes are left out of the fit only while this many sizes remain to fit it to.
-const MIN_SIZES_KEPT: usize = 3;
+/// Odd sizes are left out only while more sizes than this remain.
+const MIN_SIZES_KEPT: usize = 4;
 
-/// The smooth model fitted to the samples without their odd sizes (see [`ODD_SIZE`]), left out
-/// one at a time, the worst first: an odd size tilts the fit, so the others are judged again
-/// once it is gone. Stops while [`MIN_SIZES_KEPT`] sizes remain. `None` with fewer than two
-/// distinct shapes.
+/// The closest non-negative model (see [`fit_all`]), refitted without odd sizes seen at one
+/// image count only, one at a time, the worst first: such a size tilts the fit of every
+/// other, and its offset carries it anyway. A size seen at several image counts stays: it
+/// is what the batch terms are fitted to. `None` with fewer than two distinct shapes.
 fn fit(samples: &[Sample]) -> Option<Coefficients> {
-    let size = |s: &Sample| (s.shape.width, s.shape.height);
     let mut kept: Vec<Sample> = samples.to_vec();
-    let mut terms = fit_smooth(&kept)?;
+    let mut terms = fit_all(&kept)?;
     loop {
-        let miss = |s: &Sample| ((s.peak_bytes as f64 - terms.need(s.shape)) / (s.peak_bytes as f64).max(1.0)).abs();
-        let Some(worst) = kept.iter().filter(|s| miss(s) > ODD_SIZE).max_by(|a, b| miss(a).total_cmp(&miss(b))).map(size) else {
-            return Some(terms);
-        };
-        let rest: Vec<Sample> = kept.iter().filter(|s| size(s) != worst).copied().collect();
-        let mut sizes: Vec<(u32, u32)> = rest.iter().map(size).collect();
-        sizes.sort_unstable();
-        sizes.dedup();
-        if sizes.len() < MIN_SIZES_KEPT {
+        let counts = image_counts(&kept);
+        if counts.len() <= MIN_SIZES_KEPT {
             return Some(terms);
         }
-        match fit_smooth(&rest).filter(Coefficients::grows) {
+        let single = |s: &Sample| counts.iter().any(|&(size, n)| size == s.shape.size() && n == 1);
+        let miss = |s: &Sample| ((s.peak_bytes as f64 - terms.need(s.shape)) / (s.peak_bytes as f64).max(1.0)).abs();
+        let odd = kept.iter().filter(|s| single(s) && miss(s) > ODD_SIZE).max_by(|a, b| miss(a).total_cmp(&miss(b)));
+        let Some(worst) = odd.map(|s| s.shape.size()) else { return Some(terms) };
+        let rest: Vec<Sample> = kept.iter().filter(|s| s.shape.size() != worst).copied().collect();
+        match fit_all(&rest).filter(Coefficients::grows) {
             Some(refit) => (kept, terms) = (rest, refit),
             None => return Some(terms),
         }
     }
 }
 
+/// Each size among the samples with how many image counts of it they hold.
+fn image_counts(samples: &[Sample]) -> Vec<((u32, u32), usize)> {
+    let mut seen: Vec<((u32, u32), u32)> = samples.iter().map(|s| (s.shape.size(), s.shape.images)).collect();
+    seen.sort_unstable();
+    seen.dedup();
+    let mut counts: Vec<((u32, u32), usize)> = Vec::new();
+    for (size, _) in seen {
+        match counts.last_mut() {
+            Some((last, n)) if *last == size => *n += 1,
+            _ => counts.push((size, 1)),
+        }
+    }
+    counts
+}
+
 /// The closest non-negative model the samples can determine (see the module documentation);
 /// `None` with fewer than two distinct shapes (no slope can be told).
-fn fit_smooth(samples: &[Sample]) -> Option<Coefficients> {
+fn fit_all(samples: &[Sample]) -> Option<Coefficients> {
     let distinct = distinct_shapes(samples);
     if distinct < 2 {
         return None;
     }
-    let rows: Vec<([f64; 4], f64)> = samples.iter().map(|s| (features(s.shape), s.peak_bytes as f64)).collect();
+    let rows: Vec<([f64; TERMS], f64)> = samples.iter().map(|s| (features(s.shape), s.peak_bytes as f64)).collect();
     let mut best: Option<(f64, usize, Coefficients)> = None;
-    for mask in MODELS {
+    for mask in models() {
         let k = mask.iter().filter(|&&on| on).count();
         if distinct < if k <= 2 { k } else { k + 1 } {
             continue;
         }
         let Some(terms) = least_squares(&rows, mask) else { continue };
-        let values = [terms.fixed, terms.per_unit, terms.per_pixel, terms.per_pixel_sq];
+        let values = terms.values();
         if values.iter().any(|&v| v < 0.0) {
             continue;
         }
@@ -297,14 +324,14 @@ fn fit_smooth(samples: &[Sample]) -> Option<Coefficients> {
     best.map(|(_, _, terms)| terms)
 }
 
-fn dot(a: &[f64; 4], b: &[f64; 4]) -> f64 {
+fn dot(a: &[f64; TERMS], b: &[f64; TERMS]) -> f64 {
     a.iter().zip(b).map(|(x, y)| x * y).sum()
 }
 
 /// Ordinary least squares over the masked columns (scaled to 1, solved by Gaussian elimination
 /// with partial pivoting); `None` when they are collinear over these samples.
-fn least_squares(rows: &[([f64; 4], f64)], mask: [bool; 4]) -> Option<Coefficients> {
-    let cols: Vec<usize> = (0..4).filter(|&j| mask[j]).collect();
+fn least_squares(rows: &[([f64; TERMS], f64)], mask: [bool; TERMS]) -> Option<Coefficients> {
+    let cols: Vec<usize> = (0..TERMS).filter(|&j| mask[j]).collect();
     let k = cols.len();
     let scale: Vec<f64> = cols.iter().map(|&j| rows.iter().map(|(x, _)| x[j].abs()).fold(0.0, f64::max).max(f64::MIN_POSITIVE)).collect();
     // Normal equations [XᵀX | Xᵀy] on the scaled columns.
@@ -334,11 +361,12 @@ fn least_squares(rows: &[([f64; 4], f64)], mask: [bool; 4]) -> Option<Coefficien
             }
         }
     }
-    let mut values = [0.0f64; 4];
+    let mut values = [0.0f64; TERMS];
     for (i, &j) in cols.iter().enumerate() {
         values[j] = m[i][k] / m[i][i] / scale[i];
     }
-    Some(Coefficients { fixed: values[0], per_unit: values[1], per_pixel: values[2], per_pixel_sq: values[3] })
+    let [fixed, per_unit, per_pixel, per_pixel_sq, per_unit_pixel] = values;
+    Some(Coefficients { fixed, per_unit, per_pixel, per_pixel_sq, per_unit_pixel })
 }
 
 #[cfg(test)]
@@ -374,7 +402,7 @@ mod tests {
     /// full model recovers the parts from five probes and predicts shapes it never saw.
     #[test]
     fn calibration_separates_the_batch_from_the_image() {
-        let truth = Coefficients { fixed: 200.0 * MIB as f64, per_unit: 13_000.0, per_pixel: 400_000.0, per_pixel_sq: 4.0 };
+        let truth = Coefficients { fixed: 200.0 * MIB as f64, per_unit: 13_000.0, per_pixel: 400_000.0, per_pixel_sq: 4.0, per_unit_pixel: 0.0 };
         let sample = |w, h, n| {
             let shape = Shape::new(w, h, n);
             Sample { shape, peak_bytes: truth.need(shape).round() as u64 }
@@ -388,7 +416,7 @@ mod tests {
         }
         // The batch-only model could not: it would give four 1024x1024 images four times the
         // growth of one, where the truth adds 13 KB per unit only.
-        let linear = fit_with(&probes, MODELS[4]).unwrap();
+        let linear = fit_with(&probes, [true, true, false, false, false]).unwrap();
         let four = Shape::new(1024, 1024, 4);
         assert!((linear.need(four) / truth.need(four) - 1.0).abs() > 0.5);
     }
@@ -416,8 +444,8 @@ mod tests {
     }
 
     /// One candidate model alone, for comparisons.
-    fn fit_with(samples: &[Sample], mask: [bool; 4]) -> Option<Coefficients> {
-        let rows: Vec<([f64; 4], f64)> = samples.iter().map(|s| (features(s.shape), s.peak_bytes as f64)).collect();
+    fn fit_with(samples: &[Sample], mask: [bool; TERMS]) -> Option<Coefficients> {
+        let rows: Vec<([f64; TERMS], f64)> = samples.iter().map(|s| (features(s.shape), s.peak_bytes as f64)).collect();
         least_squares(&rows, mask)
     }
 
@@ -460,7 +488,7 @@ mod tests {
     /// moves no other size's need.
     #[test]
     fn a_probed_size_carries_its_offset_to_every_image_count() {
-        let truth = Coefficients { fixed: 200.0 * MIB as f64, per_unit: 13_000.0, per_pixel: 400_000.0, per_pixel_sq: 4.0 };
+        let truth = Coefficients { fixed: 200.0 * MIB as f64, per_unit: 13_000.0, per_pixel: 400_000.0, per_pixel_sq: 4.0, per_unit_pixel: 0.0 };
         let extra = 2048 * MIB;
         let sample = |w, h, n| {
             let shape = Shape::new(w, h, n);
@@ -488,11 +516,11 @@ mod tests {
         }
     }
 
-    /// The H200's probes and checks of 2026-11-30 (seventh lease, deploy/gpu/RESULTS.md, fused
-    /// fp16 UNet), MiB: the probes as calibrated there, the peaks of the checked shapes'
-    /// first renders from shrunk arenas. The lease's build only raised needs with offsets
-    /// (512x512 x 1 and x 4 came out 30% high); with offsets both ways every shape of a probed
-    /// size is within 10%. Sizes never probed are not: 13-19% low at their first render.
+    /// The H200's probes and checks of 2026-11-30 (seventh lease, deploy/gpu/RESULTS.md, ORT's
+    /// fused fp16 UNet), MiB: the probes as calibrated there, the peaks of the checked shapes'
+    /// first renders from shrunk arenas. The lease's build only raised needs with offsets and
+    /// fitted every probe (512x512 x 1 and x 4 came out 30% high); this estimate holds every shape
+    /// of a probed size within 10%. Sizes never probed are not: 13-19% low at their first render.
     #[test]
     fn h200_replay_holds_every_probed_size_within_ten_percent() {
         let mib = |(w, h, n, peak): (u32, u32, u32, u64)| Sample { shape: Shape::new(w, h, n), peak_bytes: peak * MIB };
@@ -516,8 +544,36 @@ mod tests {
         }
         let never_probed = [(1216, 832, 1, 7418), (832, 1216, 2, 7512), (1344, 768, 1, 7598)].map(mib);
         for check in never_probed {
-            assert!((0.10..0.20).contains(&error(check)), "{:?}: {:+.3}", check.shape, error(check));
+            assert!((0.05..0.20).contains(&error(check)), "{:?}: {:+.3}", check.shape, error(check));
         }
+    }
+
+    /// The same on the plain fp16 UNet (unfused attention), MiB: probes of the eighth lease
+    /// (2026-11-30) and 1536x1536 x 2 as the sixth lease's check rendered it from shrunk arenas
+    /// (what a probe measures); checks from both. Without the four-image-sized 1536 probe the
+    /// batch term at 1536 ran 13% low: one more image there costs 6.6 GiB, five times 1024's.
+    #[test]
+    fn plain_unet_replay_holds_every_probed_size_within_ten_percent() {
+        let mib = |(w, h, n, peak): (u32, u32, u32, u64)| Sample { shape: Shape::new(w, h, n), peak_bytes: peak * MIB };
+        let probes = [
+            (512, 512, 1, 2520), (768, 768, 1, 4786), (768, 768, 4, 6252), (1152, 896, 1, 9788), (1024, 1024, 1, 7564),
+            (1024, 1024, 2, 8940), (1536, 1536, 1, 22946), (1536, 1536, 2, 29758),
+        ]
+        .map(mib);
+        let estimate = Estimate::calibrate(&probes).unwrap();
+        assert!(estimate.coefficients().per_unit_pixel > 0.0, "unfused attention: {:?}", estimate.coefficients());
+        let error = |check: Sample| check.peak_bytes as f64 / estimate.need(check.shape) as f64 - 1.0;
+        let probed_sizes = [
+            (512, 512, 1, 2542), (768, 768, 1, 4808), (1024, 1024, 1, 7564), (1024, 1024, 2, 8940), (1024, 1024, 4, 11788),
+            (1536, 1536, 1, 22956), (1536, 1536, 2, 29758), (1152, 896, 2, 10818), (768, 768, 4, 6276), (512, 512, 4, 2854),
+        ]
+        .map(mib);
+        for check in probed_sizes {
+            let e = error(check);
+            assert!(e.abs() <= 0.10, "{:?}: observed {:+.3} of the need", check.shape, e);
+        }
+        let never_probed = mib((896, 1152, 3, 13604));
+        assert!(error(never_probed) > 0.10, "{:+.3}", error(never_probed));
     }
 
     /// A size the model overrates gets a negative offset: its need follows its renders, on

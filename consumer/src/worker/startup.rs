@@ -90,6 +90,7 @@ fn log_budget(budget: &Budget, classes: &[shotfleet_schema::MemoryClass]) {
         bytes_per_unit = terms.per_unit,
         bytes_per_image_latent_pixel = terms.per_pixel,
         bytes_per_image_latent_pixel_sq = terms.per_pixel_sq,
+        bytes_per_unit_latent_pixel = terms.per_unit_pixel,
         "budget"
     );
     for class in classes {
