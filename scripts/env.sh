@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # Sourced by the other scripts: points the build and the tests at what setup.sh installed.
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 export SHOTFLEET_ROOT="$root"

@@ -329,7 +329,7 @@ stage_budget() {
 }
 
 # --- the end: stop everything, summarize, copy to $OUT -----------------------------------------
-# shellcheck disable=SC2317 # called by the EXIT trap
+# shellcheck disable=SC2317,SC2329 # called by the EXIT trap
 finish() {
     local rc=$?
     trap - EXIT TERM INT
