@@ -28,11 +28,12 @@
 //!
 //! Least squares over the probe renders and recent observations, every part non-negative: the
 //! fit tries the full model and every simpler one that keeps the batch term, and the fixed part
-//! alone (`models`), and keeps the closest whose parts are all non-negative, the simpler on
-//! a tie; then once more without the odd sizes (the fit misses them by over 10%) that were seen
-//! at one image count only, worst first (`fit`). Extra terms are not otherwise penalised: with noisy peaks the fullest model the shapes
-//! allow usually wins. A model of `k` terms needs `k + 1` distinct shapes (two for the two-term
-//! ones), so a few probes cannot be interpolated by a curve that extrapolates wildly.
+//! alone (`models`), and keeps the closest whose parts are all non-negative, the simpler on a
+//! tie; then once more without the odd sizes (the fit misses them by over 10%) that were seen at
+//! one image count only, worst first (`fit`). Extra terms are not otherwise penalised: with noisy
+//! peaks the fullest model the shapes allow usually wins. A model of `k` terms needs `k + 1`
+//! distinct shapes (two for the two-term ones), so a few probes cannot be interpolated by a curve
+//! that extrapolates wildly.
 
 use std::collections::VecDeque;
 
