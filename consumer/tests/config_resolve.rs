@@ -104,3 +104,13 @@ fn the_binary_refuses_bad_config_with_exit_code_2() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("configuration:") && stderr.contains("/definitely/missing"), "{stderr}");
 }
+
+#[test]
+fn per_graph_cuda_options_default_to_onnx_runtimes_own() {
+    let config: WorkerConfig = toml::from_str("[cuda.unet]\nconv_algo_search = \"heuristic\"\nmem_pattern = false\n").unwrap();
+    assert!(!config.cuda.unet.mem_pattern);
+    assert!(config.cuda.unet.conv_max_workspace, "not set: ONNX Runtime's default");
+    assert!(config.cuda.vae.mem_pattern, "not set: ONNX Runtime's default");
+    let e = toml::from_str::<WorkerConfig>("[cuda.vae]\nmem_patterns = false\n").unwrap_err().to_string();
+    assert!(e.contains("unknown field `mem_patterns`") && e.contains("mem_pattern"), "{e}");
+}

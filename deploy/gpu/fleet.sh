@@ -21,12 +21,17 @@
 # All SPEED_SIZE x SPEED_SIZE (1024), SPEED_STEPS (30) steps, guidance 5, submitted at once with
 # `shotfleet submit FILE --wait`, gpu_sampler.py around each set.
 #
-# budget -> $RESULTS/budget.json, $RESULTS/budget-check*.jsonl (in the order mixed, oom, check, check-ws):
+# budget -> $RESULTS/budget.json, $RESULTS/budget-check*.jsonl (in the order mixed, oom, check, check-ws,
+# check-nopattern):
 #   check      `shotfleet-consumer --check-budget SHAPES` (no NATS): predicted vs observed peaks,
 #              with cuDNN's workspace on ONNX Runtime's default (as much as the card has)
 #   check-ws   the same with conv_max_workspace = false on the UNet and the VAE (WS_CAPPED): cuDNN's
 #              search and algorithms held to 32 MiB of workspace. (The fourth lease ran check-vae,
 #              the VAE alone: no peak changed, so the UNet's workspace is the next suspect.)
+#   check-nopattern  the same with mem_pattern = false on the UNet and the VAE (NO_PATTERN): ONNX
+#              Runtime allocating tensor by tensor on every run, not one planned block from the
+#              second run of a shape on; do a new size's first renders stop costing more, and
+#              what does it cost (the rows' again_ms against check's)?
 #   mixed      hog.py holds all but HOG_KEEP_FREE_GIB (36) of the card; a worker at concurrency 2,
 #              classes xs..l, default [budget], WS_CAPPED; MIX_JOBS (200) seeded jobs of 512..1536 px, 1-4
 #              images, MIX_STEPS (4) steps, p0/p1/p2 (storyboards.py mixed); then the hog stops
@@ -45,7 +50,7 @@
 # OUT, GPU_SAMPLER, FLEET_DEADLINE_S (it must end within: runs are skipped or cut to fit).
 # Knobs: FLEET_DEVICE, FLEET_MODEL, FLEET_CONFIG (deploy/gpu/fleet.toml), FLEET_WORK (scratch;
 # cuda /root/fleet-work, cpu a temp folder), FLEET_RUNS (speed runs to do, comma list; default
-# all ten; budget: mixed,oom,check,check-ws), SPEED_JOBS (16), SPEED_BATCH_JOBS (4), SPEED_BATCH_IMAGES (4), and those named above.
+# all ten; budget: mixed,oom,check,check-ws,check-nopattern), SPEED_JOBS (16), SPEED_BATCH_JOBS (4), SPEED_BATCH_IMAGES (4), and those named above.
 # Figures per run and set: fleet_summary.py's docstring. At most 4 files go to $OUT.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.." || exit 1
@@ -81,7 +86,7 @@ else
 fi
 SIZE=$((${SPEED_SIZE:-1024} / SCALE))
 SPEED_JOBS=${SPEED_JOBS:-16}
-if [ "$STAGE" = speed ]; then RUNS=,${FLEET_RUNS:-c1-tuned,c1-capped,c1-keep,c2-tuned,c2-batch4,c2-batch4-capped,c2-batch4-keep,c1-graph,c1-best,c1-stock},; else RUNS=,${FLEET_RUNS:-mixed,oom,check,check-ws},; fi
+if [ "$STAGE" = speed ]; then RUNS=,${FLEET_RUNS:-c1-tuned,c1-capped,c1-keep,c2-tuned,c2-batch4,c2-batch4-capped,c2-batch4-keep,c1-graph,c1-best,c1-stock},; else RUNS=,${FLEET_RUNS:-mixed,oom,check,check-ws,check-nopattern},; fi
 RESULTS=${RESULTS:-$WORK/results}
 OUT=${OUT:-$RESULTS}
 STAGE_DIR=$RESULTS/fleet-$STAGE
@@ -152,6 +157,8 @@ TUNED=$'[cuda.unet]\nconv_algo_search = "heuristic"'
 # WS_CAPPED caps the UNet's too: it continues TUNED's [cuda.unet] table.
 VAE_SAFE=$'[cuda.vae]\nconv_max_workspace = false'
 WS_CAPPED=$'conv_max_workspace = false\n\n'"$VAE_SAFE"
+# ONNX Runtime's memory patterns off on both graphs (it continues TUNED's [cuda.unet] table).
+NO_PATTERN=$'mem_pattern = false\n\n[cuda.vae]\nmem_pattern = false'
 # The VAE decoder keeping its arena between decodes, as before the sixth lease: what the
 # per-decode shrink (the default) costs in images/s.
 VAE_KEEPS=$'[budget]\nvae_keeps_arena = true'
@@ -326,6 +333,7 @@ stage_budget() {
     budget_oom
     budget_check check "budget check" ""
     budget_check check-ws "budget check, cuDNN workspace capped (UNet and VAE)" "$WS_CAPPED"
+    budget_check check-nopattern "budget check, memory patterns off (UNet and VAE)" "$NO_PATTERN"
 }
 
 # --- the end: stop everything, summarize, copy to $OUT -----------------------------------------

@@ -101,11 +101,18 @@ pub struct CudaTuning {
     /// Replay the UNet as a CUDA graph: captured on the first call of each latent shape, into
     /// fixed device buffers that later calls of that shape reuse (see `unet::GraphBuffers`).
     pub graph: bool,
+    /// ONNX Runtime's memory patterns (`enable_mem_pattern`, its default): the first run of each
+    /// set of input shapes allocates tensor by tensor while it records a plan, later runs
+    /// allocate the plan as one block (onnxruntime/core/framework/execution_frame.cc). On the
+    /// H200 a new size's first render peaked 0.55-0.6 GiB over its later ones, which fits this;
+    /// `false` allocates tensor by tensor on every run (untested on a GPU so far: a lease's
+    /// `check-nopattern` run measures both the peaks and the time).
+    pub mem_pattern: bool,
 }
 
 impl Default for CudaTuning {
     fn default() -> Self {
-        Self { conv_algo_search: ConvSearch::default(), conv_max_workspace: true, fuse_conv_bias: false, graph: false }
+        Self { conv_algo_search: ConvSearch::default(), conv_max_workspace: true, fuse_conv_bias: false, graph: false, mem_pattern: true }
     }
 }
 

@@ -420,6 +420,7 @@ fn configure_device(
                 cuda = cuda.with_memory_limit(*limit as usize);
             }
             Ok(builder
+                .with_memory_pattern(tuning.mem_pattern)?
                 .with_device_allocated_initializers()?
                 .with_execution_providers([cuda.build().error_on_failure()])?)
         }
