@@ -35,7 +35,7 @@
 //! distinct shapes (two for the two-term ones), so a few probes cannot be interpolated by a curve
 //! that extrapolates wildly.
 
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use serde::{Deserialize, Serialize};
 
@@ -266,7 +266,7 @@ fn fit(samples: &[Sample]) -> Option<Coefficients> {
         if counts.len() <= MIN_SIZES_KEPT {
             return Some(terms);
         }
-        let single = |s: &Sample| counts.iter().any(|&(size, n)| size == s.shape.size() && n == 1);
+        let single = |s: &Sample| counts[&s.shape.size()].len() == 1;
         let miss = |s: &Sample| ((s.peak_bytes as f64 - terms.need(s.shape)) / (s.peak_bytes as f64).max(1.0)).abs();
         let odd = kept.iter().filter(|s| single(s) && miss(s) > ODD_SIZE).max_by(|a, b| miss(a).total_cmp(&miss(b)));
         let Some(worst) = odd.map(|s| s.shape.size()) else { return Some(terms) };
@@ -278,17 +278,11 @@ fn fit(samples: &[Sample]) -> Option<Coefficients> {
     }
 }
 
-/// Each size among the samples with how many image counts of it they hold.
-fn image_counts(samples: &[Sample]) -> Vec<((u32, u32), usize)> {
-    let mut seen: Vec<((u32, u32), u32)> = samples.iter().map(|s| (s.shape.size(), s.shape.images)).collect();
-    seen.sort_unstable();
-    seen.dedup();
-    let mut counts: Vec<((u32, u32), usize)> = Vec::new();
-    for (size, _) in seen {
-        match counts.last_mut() {
-            Some((last, n)) if *last == size => *n += 1,
-            _ => counts.push((size, 1)),
-        }
+/// Each size among the samples with the image counts they hold of it.
+fn image_counts(samples: &[Sample]) -> BTreeMap<(u32, u32), BTreeSet<u32>> {
+    let mut counts: BTreeMap<(u32, u32), BTreeSet<u32>> = BTreeMap::new();
+    for sample in samples {
+        counts.entry(sample.shape.size()).or_default().insert(sample.shape.images);
     }
     counts
 }

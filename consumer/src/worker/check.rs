@@ -2,8 +2,9 @@
 //!
 //! Loads and calibrates as a worker starts, then renders each listed shape from arenas shrunk
 //! back to the models and compares its peak with what the budget predicts for it; renders it a
-//! second time from shrunk arenas, which tells a first render's extra memory (cuDNN choosing its
-//! algorithms for a new shape) from what the shape always needs; and once more without
+//! second time from shrunk arenas, which tells a first render's extra memory (ONNX Runtime
+//! planning a new shape's tensors, cuDNN choosing its algorithms) from what the shape always
+//! needs; and once more without
 //! shrinking, to time a render of a known shape. No NATS, no store: an operator runs it on a new
 //! card, model or runtime before the worker serves.
 
@@ -28,8 +29,9 @@ pub struct CheckedShape {
     /// `(observed - predicted) / predicted`: above 0 the estimate ran low.
     pub error: f64,
     /// The peak of a second render from shrunk arenas, the shape now known to every graph. Under
-    /// `observed_mib` where a shape's first render costs extra (1152x896 x 2 on the H200, by
-    /// 2.4-3.4 GiB); the same where it does not (every other shape checked there).
+    /// `observed_mib` where a shape's first render costs extra (on the H200 1152x896 x 2 by
+    /// 2.4-3.4 GiB before its size was probed, new sizes such as 1216x832 by 0.55-0.6 GiB); the
+    /// same where it does not (most shapes checked there).
     pub observed_again_mib: f64,
     /// The first render of the shape, from shrunk arenas (cuDNN's algorithm search included).
     pub first_ms: f64,
