@@ -39,6 +39,7 @@ use crate::faults::FaultConfig;
 use crate::pipeline::CudaConfig;
 use crate::store::StoreConfig;
 use crate::telemetry::TelemetryConfig;
+use crate::worker::attempts::AttemptsConfig;
 use crate::worker::degrade::DegradeConfig;
 
 /// Where the graphs run.
@@ -50,44 +51,21 @@ pub enum DeviceKind {
     Cuda,
 }
 
-/// A duration written like `90s`, `10m`, `2h`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Span(pub Duration);
-
-impl Serialize for Span {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_str(&format!("{}ms", self.0.as_millis()))
-    }
-}
-
-impl<'de> Deserialize<'de> for Span {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        let text = String::deserialize(d)?;
-        parse_span(&text).map(Span).map_err(serde::de::Error::custom)
-    }
-}
-
-/// `250ms` as well as what the topology's durations take (`90s`, `10m`, `2h`, `1d`).
-pub fn parse_span(text: &str) -> Result<Duration, String> {
-    match text.trim().strip_suffix("ms") {
-        Some(ms) => ms.trim().parse().map(Duration::from_millis).map_err(|_| format!("`{text}` is not a duration")),
-        None => parse_duration(text),
-    }
-}
-
 /// How long lower priorities may wait while higher ones keep arriving.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct PriorityConfig {
     /// A waiting p1 job is taken before p0 work once p1 went unserved this long.
-    pub p1_max_wait: Span,
+    #[serde(with = "humantime_serde")]
+    pub p1_max_wait: Duration,
     /// Likewise for p2.
-    pub p2_max_wait: Span,
+    #[serde(with = "humantime_serde")]
+    pub p2_max_wait: Duration,
 }
 
 impl Default for PriorityConfig {
     fn default() -> Self {
-        Self { p1_max_wait: Span(Duration::from_secs(20)), p2_max_wait: Span(Duration::from_secs(60)) }
+        Self { p1_max_wait: Duration::from_secs(20), p2_max_wait: Duration::from_secs(60) }
     }
 }
 
@@ -96,8 +74,8 @@ impl PriorityConfig {
     pub fn max_wait(&self, priority: Priority) -> Option<Duration> {
         match priority {
             Priority::P0 => None,
-            Priority::P1 => Some(self.p1_max_wait.0),
-            Priority::P2 => Some(self.p2_max_wait.0),
+            Priority::P1 => Some(self.p1_max_wait),
+            Priority::P2 => Some(self.p2_max_wait),
         }
     }
 }
@@ -112,12 +90,13 @@ pub struct LeakGuardConfig {
     /// Rebuild when the idle usage exceeds the post-load baseline by this much (MiB, 0: off).
     pub max_idle_growth_mib: u64,
     /// How often an idle worker measures (each check shrinks the arenas first).
-    pub check_every: Span,
+    #[serde(with = "humantime_serde")]
+    pub check_every: Duration,
 }
 
 impl Default for LeakGuardConfig {
     fn default() -> Self {
-        Self { rebuild_after_jobs: 0, max_idle_growth_mib: 2048, check_every: Span(Duration::from_secs(60)) }
+        Self { rebuild_after_jobs: 0, max_idle_growth_mib: 2048, check_every: Duration::from_secs(60) }
     }
 }
 
@@ -172,14 +151,18 @@ pub struct WorkerConfig {
     /// in shared UNet batches, when the budget holds all their images. 1: off.
     pub batch_jobs: usize,
     /// On SIGTERM, how long in-flight jobs may take to finish before they are naked.
-    pub grace_period: Span,
+    #[serde(with = "humantime_serde")]
+    pub grace_period: Duration,
     /// A render running longer than this is stopped and naked (a transient failure).
-    pub job_time_limit: Span,
+    #[serde(with = "humantime_serde")]
+    pub job_time_limit: Duration,
     /// How often a job in progress tells the server it is alive; `None`: a third of the
     /// consumer's `ack_wait`.
-    pub progress_interval: Option<Span>,
+    #[serde(default, with = "humantime_serde")]
+    pub progress_interval: Option<Duration>,
     /// How long to sleep when every queue was empty (doubles up to ten times this).
-    pub idle_poll: Span,
+    #[serde(with = "humantime_serde")]
+    pub idle_poll: Duration,
     /// Threads per graph on the CPU.
     pub intra_threads: Option<usize>,
     /// Caps ONNX Runtime's CPU arena (MiB), so a CPU worker runs out of memory for real where a
@@ -204,6 +187,8 @@ pub struct WorkerConfig {
     pub calibration: CalibrationConfig,
     /// Bounds a job must respect (the producer uses the same defaults).
     pub limits: Limits,
+    /// When a failing job is given up on, and its backoff.
+    pub attempts: AttemptsConfig,
     /// Fault injection for tests: explicit, off by default, loudly logged when on.
     pub faults: FaultConfig,
 }
@@ -218,10 +203,10 @@ impl Default for WorkerConfig {
             classes: MemoryClass::ALL.to_vec(),
             concurrency: 1,
             batch_jobs: 1,
-            grace_period: Span(Duration::from_secs(60)),
-            job_time_limit: Span(Duration::from_secs(600)),
+            grace_period: Duration::from_secs(60),
+            job_time_limit: Duration::from_secs(600),
             progress_interval: None,
-            idle_poll: Span(Duration::from_millis(100)),
+            idle_poll: Duration::from_millis(100),
             intra_threads: None,
             cpu_arena_max_mib: None,
             cuda: CudaConfig::default(),
@@ -236,6 +221,7 @@ impl Default for WorkerConfig {
             priorities: PriorityConfig::default(),
             calibration: CalibrationConfig::default(),
             limits: Limits::default(),
+            attempts: AttemptsConfig::default(),
             faults: FaultConfig::default(),
         }
     }
@@ -337,7 +323,7 @@ impl WorkerConfig {
                 v.parse().map_err(|_| bad("--metrics-addr", format!("`{v}` is not an address like 0.0.0.0:9400")))?;
         }
         if let Some(v) = flags.grace_period {
-            config.grace_period = Span(parse_span(&v).map_err(|e| bad("--grace-period", e))?);
+            config.grace_period = parse_duration(&v).map_err(|e| bad("--grace-period", e))?;
         }
         if let Some(v) = pick(flags.worker_id, "SHOTFLEET_WORKER_ID") {
             config.worker_id = v;
@@ -376,7 +362,7 @@ impl WorkerConfig {
         if self.batch_jobs == 0 || self.batch_jobs > 64 {
             return Err(bad("batch_jobs", format!("{} is outside 1..=64", self.batch_jobs)));
         }
-        if self.job_time_limit.0 < Duration::from_secs(1) {
+        if self.job_time_limit < Duration::from_secs(1) {
             return Err(bad("job_time_limit", "must be at least 1s"));
         }
         if self.worker_id.contains(['\n', '\r']) || self.worker_id.len() > 200 {
@@ -419,6 +405,9 @@ impl WorkerConfig {
         self.budget.validate().map_err(|e| bad("budget", e.to_string()))?;
         if self.calibration.shapes.len() < 2 {
             return Err(bad("calibration.shapes", "give at least two shapes of different sizes"));
+        }
+        if self.attempts.max_failures == 0 {
+            return Err(bad("attempts.max_failures", "must be at least 1"));
         }
         if self.calibration.steps == 0 {
             return Err(bad("calibration.steps", "must be at least 1"));

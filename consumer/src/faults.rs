@@ -8,7 +8,6 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use crate::config::Span;
 
 /// Where a worker may be told to die, as SIGKILL would leave it: no ack, no cleanup.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -28,7 +27,11 @@ pub struct FaultConfig {
     pub crash_at: Option<CrashPoint>,
     /// Sleep this long between upload and publishing the result, without progress acks, so the
     /// server redelivers the job to another worker meanwhile.
-    pub stall_before_publish: Option<Span>,
+    #[serde(default, with = "humantime_serde")]
+    pub stall_before_publish: Option<Duration>,
+    /// With `stall_before_publish`: first wait (at most two minutes) until another worker has
+    /// committed the job, then the stall: a late publish however slowly the other one starts.
+    pub stall_until_committed: bool,
     /// Add a text chunk naming this worker to every PNG, so two workers' renders of one job
     /// differ as renders on two GPU models do.
     pub mark_images: bool,
@@ -39,6 +42,10 @@ pub struct FaultConfig {
     /// Leak this many MiB (allocated and touched, never freed) after every job: the leak guard's
     /// test signal.
     pub leak_mib_per_job: u64,
+    /// Skip the render: every image is a fixed 1x1 PNG. Everything else of a job (admission,
+    /// fetch, decode, upload, commit, sweep, ack) runs: the control plane's own cost, measured
+    /// by `tests/benches/control_plane.rs`.
+    pub noop_render: bool,
     /// Cap ONNX Runtime's CUDA arena (`gpu_mem_limit`, per session) at this many MiB without the
     /// budget knowing: a job the budget admits then runs out of device memory for real, which
     /// is how the out-of-memory path is rehearsed on a card too large to fill.
@@ -49,10 +56,12 @@ impl FaultConfig {
     pub fn any(&self) -> bool {
         self.crash_at.is_some()
             || self.stall_before_publish.is_some()
+            || self.stall_until_committed
             || self.mark_images
             || self.driver_fault_on_render.is_some()
             || self.leak_mib_per_job > 0
             || self.arena_limit_mib.is_some()
+            || self.noop_render
     }
 
     /// The injected driver error for render number `n` (1-based), if any.
@@ -73,7 +82,7 @@ impl FaultConfig {
     }
 
     pub fn stall(&self) -> Option<Duration> {
-        self.stall_before_publish.map(|s| s.0)
+        self.stall_before_publish
     }
 
     /// Dies here if told to.
@@ -84,6 +93,14 @@ impl FaultConfig {
         }
     }
 }
+
+/// The image of a skipped render (`noop_render`): a valid 1x1 PNG.
+pub const PLACEHOLDER_PNG: &[u8] = &[
+    0x89, 0x50, 0x4E, 0x47, 0x0D, 0x0A, 0x1A, 0x0A, 0x00, 0x00, 0x00, 0x0D, 0x49, 0x48, 0x44, 0x52, 0x00, 0x00, 0x00, 0x01,
+    0x00, 0x00, 0x00, 0x01, 0x08, 0x06, 0x00, 0x00, 0x00, 0x1F, 0x15, 0xC4, 0x89, 0x00, 0x00, 0x00, 0x0A, 0x49, 0x44, 0x41,
+    0x54, 0x78, 0x9C, 0x63, 0x00, 0x01, 0x00, 0x00, 0x05, 0x00, 0x01, 0x0D, 0x0A, 0x2D, 0xB4, 0x00, 0x00, 0x00, 0x00, 0x49,
+    0x45, 0x4E, 0x44, 0xAE, 0x42, 0x60, 0x82,
+];
 
 /// Inserts a `tEXt` chunk (`keyword`, `text`) after the PNG's header chunk.
 pub fn add_png_text(png: &[u8], keyword: &str, text: &str) -> Vec<u8> {

@@ -70,6 +70,7 @@ async fn store_s3_check_names_a_missing_bucket() {
 
     let err = Store::connect(&config, env).await.unwrap_err();
     assert!(err.to_string().contains("does the bucket exist?"), "{err}");
+    assert_eq!(err.kind(), StoreErrorKind::Permanent, "no job can fix a missing bucket");
 }
 
 #[tokio::test]

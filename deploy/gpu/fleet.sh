@@ -128,7 +128,7 @@ write_config() {
         tables+=$'\n'"[budget]"$'\n'"reserve_mib = 64"$'\n'"margin_mib = 64"
         [ -n "$budget_keys" ] && tables+=$'\n'"$budget_keys"
         tables+=$'\n\n'"[budget.simulate]"$'\n'"total_mib = ${SIM_TOTAL_MIB:-4096}"$'\n'"others_used_mib = ${SIM_OTHERS:-0}"
-        tables+=$'\n\n'"[degrade]"$'\n'"min_side = 64"$'\n'"min_steps = 2"
+        tables+=$'\n\n'"[degrade]"$'\n'"min_side = 64"
     fi
     {
         echo "# fleet.sh run $RUN_NAME ($DEVICE): top-level keys, then $(basename "$BASE_CONFIG"), then the run's tables"

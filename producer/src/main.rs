@@ -75,29 +75,55 @@ payload fails again as invalid.
 A record whose original subject is missing or not a job subject (shots.<prio>.<class>.<project>)
 is kept and reported. Exit code 1 when any matching record could not be replayed.";
 
+/// `setup`'s settings; each left out takes the topology's default (`Topology::default()`).
 #[derive(Args)]
 struct SetupArgs {
-    /// Stream replicas (3 on a 3-node cluster).
-    #[arg(long, default_value_t = 1)]
-    replicas: usize,
-    /// How long job ids are remembered (re-submits inside it queue nothing), e.g. 20m.
-    #[arg(long, default_value = "20m", value_parser = parse_duration)]
-    duplicate_window: Duration,
-    /// How long results are kept, e.g. 14d.
-    #[arg(long, default_value = "14d", value_parser = parse_duration)]
-    results_max_age: Duration,
-    /// How long failed records are kept for replay, e.g. 30d.
-    #[arg(long, default_value = "30d", value_parser = parse_duration)]
-    failed_max_age: Duration,
-    /// Redeliver a job not acked or progressed for this long.
-    #[arg(long, default_value = "60s", value_parser = parse_duration)]
-    ack_wait: Duration,
-    /// Deliveries before a job goes to the failed stream.
-    #[arg(long, default_value_t = 5)]
-    max_deliver: i64,
+    /// Stream replicas (3 on a 3-node cluster) [default: 1].
+    #[arg(long)]
+    replicas: Option<usize>,
+    /// How long job ids are remembered (re-submits inside it queue nothing) [default: 20m].
+    #[arg(long, value_parser = parse_duration)]
+    duplicate_window: Option<Duration>,
+    /// How long results are kept [default: 14d].
+    #[arg(long, value_parser = parse_duration)]
+    results_max_age: Option<Duration>,
+    /// How long failed records are kept for replay [default: 30d].
+    #[arg(long, value_parser = parse_duration)]
+    failed_max_age: Option<Duration>,
+    /// How long a queued job may wait before the server drops it [default: 7d].
+    #[arg(long, value_parser = parse_duration)]
+    jobs_max_age: Option<Duration>,
+    /// The most the job queue holds, bytes; when full, submitting is refused [default: 1 GiB].
+    #[arg(long)]
+    jobs_max_bytes: Option<i64>,
+    /// Redeliver a job not acked or progressed for this long [default: 60s].
+    #[arg(long, value_parser = parse_duration)]
+    ack_wait: Option<Duration>,
+    /// Deliveries after which a job no worker answered for goes to the failed stream (a
+    /// backstop for jobs that kill their worker; workers fail a job after their own count of
+    /// failed attempts) [default: 20].
+    #[arg(long)]
+    max_deliver: Option<i64>,
     /// Change existing streams and consumers whose settings differ.
     #[arg(long)]
     update: bool,
+}
+
+impl SetupArgs {
+    fn topology(&self) -> Topology {
+        let default = Topology::default();
+        Topology {
+            replicas: self.replicas.unwrap_or(default.replicas),
+            duplicate_window: self.duplicate_window.unwrap_or(default.duplicate_window),
+            results_max_age: self.results_max_age.unwrap_or(default.results_max_age),
+            failed_max_age: self.failed_max_age.unwrap_or(default.failed_max_age),
+            jobs_max_age: self.jobs_max_age.unwrap_or(default.jobs_max_age),
+            jobs_max_bytes: self.jobs_max_bytes.unwrap_or(default.jobs_max_bytes),
+            ack_wait: self.ack_wait.unwrap_or(default.ack_wait),
+            max_deliver: self.max_deliver.unwrap_or(default.max_deliver),
+            ..default
+        }
+    }
 }
 
 #[derive(Args)]
@@ -123,7 +149,7 @@ struct SubmitArgs {
 
 #[derive(Args)]
 struct ReplayArgs {
-    /// Only records failed for this reason: invalid, oom, max_deliveries, driver (repeatable).
+    /// Only records failed for this reason: invalid, oom, attempts, max_deliveries, driver (repeatable).
     #[arg(long = "reason", value_name = "REASON")]
     reasons: Vec<FailureReason>,
     /// Only records of this project (repeatable).
@@ -196,15 +222,7 @@ async fn connect(options: &NatsOptions) -> Result<async_nats::jetstream::Context
 }
 
 async fn setup(options: &NatsOptions, args: SetupArgs) -> Result<u8, Failure> {
-    let topology = Topology {
-        replicas: args.replicas,
-        duplicate_window: args.duplicate_window,
-        results_max_age: args.results_max_age,
-        failed_max_age: args.failed_max_age,
-        ack_wait: args.ack_wait,
-        max_deliver: args.max_deliver,
-        ..Topology::default()
-    };
+    let topology = args.topology();
     let js = connect(options).await?;
     let report = topology.ensure(&js, args.update).await.map_err(server)?;
     for what in &report.created {

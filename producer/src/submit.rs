@@ -8,7 +8,7 @@
 use std::time::{Duration, Instant};
 
 use async_nats::HeaderMap;
-use async_nats::jetstream::context::PublishAckFuture;
+use async_nats::jetstream::context::{PublishAckFuture, PublishError, PublishErrorKind};
 use async_nats::jetstream::message::PublishMessage;
 use async_nats::jetstream::publish::PublishAck;
 use async_nats::jetstream;
@@ -69,6 +69,20 @@ pub fn message(shot: &Shot, content_type: ContentType) -> (String, PublishMessag
     (subject, publish)
 }
 
+/// What a refused publish means for the person submitting.
+fn explain(subject: &str, error: &PublishError) -> String {
+    let text = error.to_string();
+    match error.kind() {
+        PublishErrorKind::StreamNotFound => format!(
+            "no stream takes subject `{subject}`: run `shotfleet setup` against this server (or `shotfleet setup --update` after an upgrade)"
+        ),
+        _ if text.contains("maximum bytes") || text.contains("maximum messages") => format!(
+            "the job queue is full ({text}): wait for the fleet to catch up, or raise the queue's size with `shotfleet setup --jobs-max-bytes N --update`"
+        ),
+        _ => text,
+    }
+}
+
 /// Publishes every shot and waits for every PubAck; `on_ack` is called once per shot.
 ///
 /// # Errors
@@ -104,8 +118,8 @@ pub async fn submit(
         }
         let (subject, publish) = message(shot, options.content_type);
         let pending: PublishAckFuture =
-            js.send_publish(subject, publish).await.map_err(|e| fail(shot, e.to_string()))?;
-        in_flight.push(async move { (index, pending.await.map_err(|e| e.to_string())) });
+            js.send_publish(subject.clone(), publish).await.map_err(|e| fail(shot, explain(&subject, &e)))?;
+        in_flight.push(async move { (index, pending.await.map_err(|e| explain(&subject, &e))) });
     }
     while let Some((i, ack)) = in_flight.next().await {
         settle(i, ack, &mut summary)?;

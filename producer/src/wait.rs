@@ -1,10 +1,11 @@
 //! Waiting for submitted jobs: every job ends with a result or a failed record.
 //!
-//! Results and failed records are read from their streams with ordered push consumers, one per
-//! project and stream (one filter each, as nats-server 2.9 requires). A result is final whenever
-//! it was written: a worker never renders a job whose result exists. A failed record counts when
-//! it was written after this submission started, or when the job was a duplicate (it was not
-//! queued again, so an earlier failure is its fate); a later result overrides it (a replay).
+//! Outcomes (on the result subjects) and failed records are read from their streams with
+//! ordered push consumers, one per project and stream (one filter each, as nats-server 2.9
+//! requires). A rendered result is final whenever it was written: a worker never renders a job
+//! whose result exists. A failure (a `failed` or `cancelled` outcome, or a failed record) counts
+//! when it was written after this submission started, or when the job was a duplicate (it was
+//! not queued again, so an earlier failure is its fate); a later result overrides it (a replay).
 
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::time::{Duration, SystemTime};
@@ -83,8 +84,9 @@ pub async fn wait(
         let Some(message) = next else { break };
         let Ok(message) = message else { continue };
         let Some((job_id, outcome)) = read_outcome(&message, &wanted, since) else { continue };
-        // A result is final; a failed record stands only until a result arrives.
-        if outcomes.get(&job_id).is_some_and(|o| !o.is_failed()) {
+        // A result is final; a failure stands only until a result arrives, and is told once
+        // (a failed job has both a failed outcome and a failed record).
+        if outcomes.get(&job_id).is_some_and(|o| !o.is_failed() || outcome.is_failed()) {
             continue;
         }
         on_outcome(&job_id, &outcome);
@@ -139,15 +141,26 @@ fn read_outcome(
     let header = |name: &str| {
         message.headers.as_ref().and_then(|h| h.get(name)).map(|v| v.as_str().to_owned())
     };
+    let written: SystemTime = message.info().ok()?.published.into();
+    let counts = |job_id: &str| wanted.get(job_id).is_some_and(|awaited| awaited.duplicate || written >= since);
     if message.subject.starts_with(&format!("{}.done.", subject::ROOT)) {
         let content_type = ContentType::from_header(header(encoding::HEADER).as_deref()).ok()?;
         let result: ShotResult = encoding::decode(content_type, &message.payload).ok()?;
-        wanted.contains_key(result.job_id.as_str()).then(|| (result.job_id.clone(), Outcome::Done(Box::new(result))))
+        if !wanted.contains_key(result.job_id.as_str()) {
+            return None;
+        }
+        if result.is_rendered() {
+            return Some((result.job_id.clone(), Outcome::Done(Box::new(result))));
+        }
+        if !counts(&result.job_id) {
+            return None;
+        }
+        let failure = result.failure.clone().unwrap_or_default();
+        let reason = failure.reason.map_or_else(|| "cancelled".to_owned(), |r| r.to_string());
+        Some((result.job_id, Outcome::Failed { reason, detail: failure.detail, attempts: failure.attempts.to_string() }))
     } else {
         let job_id = header(failure::JOB_ID)?;
-        let awaited = wanted.get(job_id.as_str())?;
-        let written: SystemTime = message.info().ok()?.published.into();
-        if !awaited.duplicate && written < since {
+        if !counts(&job_id) {
             return None;
         }
         let outcome = Outcome::Failed {

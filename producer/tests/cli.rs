@@ -30,9 +30,9 @@ async fn setup_is_idempotent_on_every_server_version() {
         let server = NatsServer::start_with(ServerOptions { binary, ..Default::default() });
         let first = shotfleet(&server.url(), &["setup"]).await;
         assert!(first.status.success(), "{binary:?}: {}", text(&first));
-        assert!(text(&first).contains("21 created"), "{binary:?}: {}", text(&first));
+        assert!(text(&first).contains("22 created"), "{binary:?}: {}", text(&first));
         let again = shotfleet(&server.url(), &["setup"]).await;
-        assert!(text(&again).contains("0 created, 0 updated, 21 already as wanted"), "{}", text(&again));
+        assert!(text(&again).contains("0 created, 0 updated, 22 already as wanted"), "{}", text(&again));
 
         // One filter per consumer: check the server kept exactly the filter we set (2.9.10
         // drops `filter_subjects`, which would leave a consumer unfiltered).
@@ -219,6 +219,7 @@ async fn answer_jobs(url: String, fail_job: &'static str) {
                 attempt: 1,
                 timing: Timing::default(),
                 finished_at_ms: 0,
+                failure: None,
             };
             let mut headers = HeaderMap::new();
             headers.insert("Content-Type", ContentType::Json.as_str());

@@ -79,7 +79,9 @@ pub struct Lora {
 pub struct Floor {
     /// The shorter image side may not fall below this many pixels.
     pub min_side: u32,
-    /// Steps may not fall below this.
+    /// Accepted and kept for producers that set it, but no rung lowers steps: fewer steps do
+    /// not lower peak memory. 0 or absent: unset.
+    #[serde(default)]
     pub min_steps: u32,
 }
 

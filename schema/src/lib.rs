@@ -10,6 +10,7 @@
 //! - [`class`]: the memory class of a job, computed from one image's size.
 //! - [`subject`]: subject names, stream and consumer names.
 //! - [`failure`]: the headers and reasons of a failed record.
+//! - [`names`]: wire enums' names, lists and parse messages.
 //! - [`json_schema`]: the JSON Schema other languages can validate against.
 //! - `nats` (feature `nats`): connecting, and creating the streams and consumers both sides use.
 
@@ -18,6 +19,7 @@ pub mod encoding;
 pub mod failure;
 pub mod job;
 pub mod json_schema;
+pub mod names;
 #[cfg(feature = "nats")]
 pub mod nats;
 pub mod result;
@@ -28,7 +30,7 @@ pub use class::MemoryClass;
 pub use encoding::{ContentType, DecodeError, InvalidJob};
 pub use failure::FailureReason;
 pub use job::{Degrade, Floor, Lora, Original, ShotJob};
-pub use result::{ImageRef, ResultStatus, ShotResult, Timing};
+pub use result::{Failure, ImageRef, ResultStatus, ShotResult, Timing};
 pub use subject::{Priority, SubjectClass};
 pub use validate::{Limits, ValidationError};
 

@@ -3,10 +3,19 @@
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
+use crate::failure::FailureReason;
 use crate::job::Degrade;
 
-/// Published on `shots.done.<project>.<job_id>` with `Nats-Msg-Id = <job_id>:done` once every
-/// image is stored. Every image it names exists in the object store with that sha256.
+/// A job's outcome, published on `shots.done.<project>.<job_id>`: the commit point of its work.
+///
+/// Exactly one outcome settles each request for a job: a worker publishes it with
+/// `Nats-Expected-Last-Subject-Sequence` set to the last outcome it saw on the subject (0 when
+/// none), so a second, late outcome for the same request is refused by the server however long
+/// after the first it comes. A rendered result (`done`, `degraded`) is final: the job is never
+/// rendered again. A `failed` or `cancelled` outcome settles every message of the job published
+/// before it; a message published after it (a replay, a re-submission) is a new request.
+///
+/// Every image a result names exists in the object store with that sha256.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[schemars(title = "ShotResult", description = "A shotfleet render result, contract version 1.")]
 pub struct ShotResult {
@@ -15,9 +24,10 @@ pub struct ShotResult {
     pub job_id: String,
     pub project: String,
     pub shot_id: String,
-    /// `done`, or `degraded` when the job was rendered one or more rungs down its ladder.
+    /// `done`; `degraded` when the job was rendered one or more rungs down its ladder; `failed`
+    /// (see `failure`; the job's payload waits in `SHOTS_FAILED` for a replay); `cancelled`.
     pub status: ResultStatus,
-    /// The stored images, in index order.
+    /// The stored images, in index order (none unless done or degraded).
     pub images: Vec<ImageRef>,
     /// Set when the job was degraded: the rung and the original size and steps.
     #[serde(default)]
@@ -32,14 +42,40 @@ pub struct ShotResult {
     pub timing: Timing,
     /// When the result was published, milliseconds since the Unix epoch.
     pub finished_at_ms: u64,
+    /// Why the job failed (status `failed`), or who cancelled it (status `cancelled`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub failure: Option<Failure>,
 }
 
-/// Whether a result is at the requested quality.
+impl ShotResult {
+    /// Whether the job's images were rendered (`done` or `degraded`): such a result is final.
+    pub fn is_rendered(&self) -> bool {
+        matches!(self.status, ResultStatus::Done | ResultStatus::Degraded)
+    }
+}
+
+/// Why a job ended without images.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct Failure {
+    /// The failed record's reason; absent for a cancelled job.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<FailureReason>,
+    /// What went wrong, or who cancelled it, for a person.
+    pub detail: String,
+    /// Attempts that failed (as the failed record's `Shotfleet-Attempts`); 0 for a cancelled
+    /// job.
+    #[serde(default)]
+    pub attempts: u64,
+}
+
+/// How a job ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum ResultStatus {
     Done,
     Degraded,
+    Failed,
+    Cancelled,
 }
 
 /// One stored image.

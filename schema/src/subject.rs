@@ -117,10 +117,16 @@ pub fn failed(priority: Priority, project: &str) -> String {
     format!("{ROOT}.failed.{priority}.{project}")
 }
 
-/// The subjects the jobs stream captures (one wildcard per priority, so `shots.done.*` and
-/// `shots.failed.*` stay out of it).
+/// The subjects the jobs stream captures: exactly the render consumers' filters, so a job
+/// published to any other subject (`shots.p0.bogus.acme`, a typo'd class) is refused by the
+/// server at publish time instead of waiting in the stream for a consumer that never comes.
 pub fn jobs_stream_subjects() -> Vec<String> {
-    Priority::ALL.iter().map(|p| format!("{ROOT}.{p}.>")).collect()
+    Priority::ALL.iter().flat_map(|p| job_classes().map(move |c| consumer(*p, c).1)).collect()
+}
+
+/// Every class token of a job subject: the memory classes and `auto`.
+pub fn job_classes() -> impl Iterator<Item = SubjectClass> {
+    MemoryClass::ALL.into_iter().map(SubjectClass::Class).chain([SubjectClass::Auto])
 }
 
 /// The subjects the results stream captures.
@@ -181,12 +187,28 @@ pub fn parse_failed(subject: &str) -> Result<(Priority, String), String> {
     }
 }
 
+/// The key-value bucket counting each job message's failed attempts and out-of-memory errors
+/// (a failure counter outside the delivery count: giving a job back for room or at shutdown
+/// is not a failure).
+pub const ATTEMPTS_BUCKET: &str = "SHOT_ATTEMPTS";
+
+/// A job message's key in [`ATTEMPTS_BUCKET`]: its job id and stream sequence, so a replay or a
+/// degraded copy (a new message) starts from no failures.
+pub fn attempts_key(job_id: &str, stream_sequence: u64) -> String {
+    format!("{job_id}.{stream_sequence}")
+}
+
 /// Message ids (`Nats-Msg-Id`) beside the job's own id: one per kind of publish, so the
 /// server's duplicate window makes each publish idempotent.
 pub mod msg_id {
-    /// A job's result.
-    pub fn done(job_id: &str) -> String {
-        format!("{job_id}:done")
+    /// The outcome (result, failure, cancellation) that settles the job message at
+    /// `stream_sequence`.
+    pub fn outcome(job_id: &str, stream_sequence: u64) -> String {
+        format!("{job_id}:outcome:{stream_sequence}")
+    }
+    /// A job's cancellation, asked by a person.
+    pub fn cancel(job_id: &str) -> String {
+        format!("{job_id}:cancel")
     }
     /// A job re-published by a worker from `auto` (or a wrong class) to its class subject.
     pub fn route(job_id: &str) -> String {
@@ -196,9 +218,13 @@ pub mod msg_id {
     pub fn degrade(job_id: &str, level: u32) -> String {
         format!("{job_id}:deg:{level}")
     }
-    /// A failed record.
-    pub fn failed(job_id: &str, attempt: u64) -> String {
-        format!("{job_id}:failed:{attempt}")
+    /// A failed record of the job message at `stream_sequence`.
+    pub fn failed(job_id: &str, stream_sequence: u64) -> String {
+        format!("{job_id}:failed:{stream_sequence}")
+    }
+    /// A failed record of a payload without a valid job id.
+    pub fn failed_unnamed(stream_sequence: u64) -> String {
+        format!("seq-{stream_sequence}:failed")
     }
     /// A job replayed from the failed stream, the `n`th time.
     pub fn replay(job_id: &str, n: u64) -> String {
@@ -235,6 +261,11 @@ mod tests {
         for s in jobs_stream_subjects() {
             assert!(!s.starts_with("shots.done") && !s.starts_with("shots.failed"));
         }
+        // One subject per render consumer: 3 priorities x (5 classes + auto).
+        let subjects = jobs_stream_subjects();
+        assert_eq!(subjects.len(), 18);
+        assert!(subjects.contains(&"shots.p0.auto.*".to_owned()));
+        assert!(!subjects.iter().any(|s| s.ends_with('>')));
         assert_eq!(parse_failed(&failed(Priority::P2, "acme")).unwrap(), (Priority::P2, "acme".into()));
     }
 }

@@ -27,6 +27,10 @@ pub struct Limits {
     pub max_loras: usize,
     /// LoRA weights must lie in `-max_lora_weight..=max_lora_weight`.
     pub max_lora_weight: f32,
+    /// The most work one job may ask for, in megapixel-steps (width x height x images x steps /
+    /// 10^6): each bound alone allows jobs no card finishes inside a worker's time limit, and
+    /// such a job would hold a card for the whole limit on every delivery.
+    pub max_megapixel_steps: u32,
 }
 
 impl Default for Limits {
@@ -41,6 +45,9 @@ impl Default for Limits {
             max_prompt_bytes: 8 * 1024,
             max_loras: 8,
             max_lora_weight: 4.0,
+            // 1536x1536 x 4 images x 50 steps is 472; an H200 renders about 29 megapixel-steps
+            // a second at 1024x1024, a 12 GB card several times fewer (BENCHMARKS.md).
+            max_megapixel_steps: 1000,
         }
     }
 }
@@ -84,6 +91,11 @@ impl fmt::Display for ValidationError {
 }
 
 impl ShotJob {
+    /// The work the job asks for: width x height x images x steps, in millions.
+    pub fn megapixel_steps(&self) -> f64 {
+        f64::from(self.width) * f64::from(self.height) * f64::from(self.images) * f64::from(self.steps) / 1e6
+    }
+
     /// Checks the job against `limits`.
     ///
     /// # Errors
@@ -105,6 +117,17 @@ impl ShotJob {
         check.range("steps", self.steps, 1, limits.max_steps);
         check.range("images", self.images, 1, limits.max_images);
         check.finite_range("guidance", self.guidance, limits.min_guidance, limits.max_guidance);
+        let cost = self.megapixel_steps();
+        if cost > f64::from(limits.max_megapixel_steps) {
+            check.fail(
+                "steps",
+                format!(
+                    "{}x{} x {} image(s) x {} steps is {cost:.0} megapixel-steps; at most {} are allowed per job: \
+                     split the images over several jobs, or use fewer steps or a smaller size",
+                    self.width, self.height, self.images, self.steps, limits.max_megapixel_steps
+                ),
+            );
+        }
         if self.loras.len() > limits.max_loras {
             check.fail(
                 "loras",
@@ -127,10 +150,10 @@ impl ShotJob {
                     ),
                 );
             }
-            if floor.min_steps == 0 || floor.min_steps > self.steps {
+            if floor.min_steps > self.steps {
                 check.fail(
                     "floor.min_steps",
-                    format!("{} must be between 1 and steps ({})", floor.min_steps, self.steps),
+                    format!("{} must not be above steps ({}); 0 or absent leaves it unset", floor.min_steps, self.steps),
                 );
             }
         }
@@ -143,12 +166,40 @@ impl ShotJob {
     }
 }
 
+/// What is wrong with `value` as a plain id (job, project, shot: letters, digits, `_` and `-`,
+/// at most `max_bytes`), if anything. Ids become subject tokens, header values, message ids and
+/// object key parts: nothing else may reach those.
+pub fn id_problem(value: &str, max_bytes: usize) -> Option<String> {
+    IdKind::Plain.problem(value, max_bytes)
+}
+
 #[derive(Clone, Copy)]
 enum IdKind {
     /// Letters, digits, `_`, `-`: safe in subjects, message ids and object keys.
     Plain,
     /// As plain, plus `.` (but never `..` nor a leading dot): names files such as LoRAs.
     FileName,
+}
+
+impl IdKind {
+    fn problem(self, value: &str, max_bytes: usize) -> Option<String> {
+        let allowed = |c: char| c.is_ascii_alphanumeric() || c == '_' || c == '-' || (matches!(self, Self::FileName) && c == '.');
+        let charset = match self {
+            Self::Plain => "letters, digits, `_` and `-`",
+            Self::FileName => "letters, digits, `_`, `-` and `.`",
+        };
+        if value.is_empty() {
+            Some("must not be empty".into())
+        } else if value.len() > max_bytes {
+            Some(format!("is {} bytes long; at most {max_bytes} are allowed", value.len()))
+        } else if let Some(bad) = value.chars().find(|c| !allowed(*c)) {
+            Some(format!("contains {bad:?}; only {charset} are allowed"))
+        } else if value.contains("..") || value.starts_with('.') {
+            Some("must not contain `..` or start with `.`".into())
+        } else {
+            None
+        }
+    }
 }
 
 #[derive(Default)]
@@ -170,21 +221,8 @@ impl Checker {
     }
 
     fn id(&mut self, field: &str, value: &str, max_bytes: usize, kind: IdKind) {
-        let allowed = |c: char| {
-            c.is_ascii_alphanumeric() || c == '_' || c == '-' || (matches!(kind, IdKind::FileName) && c == '.')
-        };
-        let charset = match kind {
-            IdKind::Plain => "letters, digits, `_` and `-`",
-            IdKind::FileName => "letters, digits, `_`, `-` and `.`",
-        };
-        if value.is_empty() {
-            self.fail(field, "must not be empty".into());
-        } else if value.len() > max_bytes {
-            self.fail(field, format!("is {} bytes long; at most {max_bytes} are allowed", value.len()));
-        } else if let Some(bad) = value.chars().find(|c| !allowed(*c)) {
-            self.fail(field, format!("contains {bad:?}; only {charset} are allowed"));
-        } else if value.contains("..") || value.starts_with('.') {
-            self.fail(field, "must not contain `..` or start with `.`".into());
+        if let Some(problem) = kind.problem(value, max_bytes) {
+            self.fail(field, problem);
         }
     }
 

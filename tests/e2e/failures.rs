@@ -138,10 +138,13 @@ async fn a_job_that_died_on_its_last_delivery_reaches_the_failed_stream() {
     let mut spec = WorkerSpec::new("doomed", store.path());
     spec.extra = "[faults]\ncrash_at = \"after_upload\"\n".into();
     let mut doomed = Worker::start(&server.url(), spec);
-    let s = shot(Priority::P2, job("last-1", "acme", (64, 64), 2, 1));
+    let s = shot(Priority::P2, job("last-1", "acme", (64, 64), 2, 2));
     submit(&js, std::slice::from_ref(&s)).await;
     assert_eq!(doomed.wait_exit(Duration::from_secs(30)).and_then(|s| s.code()), Some(137));
-    // The next worker's pulls make the server emit the advisory; the worker moves the job.
+    let job_dir = store.path().join("acme/last-1");
+    assert_eq!(std::fs::read_dir(&job_dir).unwrap().count(), 2, "the dead worker uploaded two images");
+    // The next worker's pulls make the server emit the advisory; the worker fails the job and
+    // sweeps what the dead attempt uploaded.
     let _rescuer = Worker::start(&server.url(), WorkerSpec::new("rescuer", store.path()));
     match &outcomes(&js, &[s], Duration::from_secs(30)).await["last-1"] {
         Outcome::Failed { reason, attempts, .. } => {
@@ -151,6 +154,11 @@ async fn a_job_that_died_on_its_last_delivery_reaches_the_failed_stream() {
         other => panic!("expected a failed record: {other:?}"),
     }
     wait_settled(&js, Duration::from_secs(10)).await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while std::fs::read_dir(&job_dir).map(|d| d.count()).unwrap_or(0) > 0 {
+        assert!(Instant::now() < deadline, "a failed job's images stay in the store");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }
 
 #[tokio::test]

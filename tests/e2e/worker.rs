@@ -190,6 +190,7 @@ async fn invalid_jobs_go_to_the_failed_stream_with_reasons() {
     assert!(header("Shotfleet-Detail").contains("width"), "{}", header("Shotfleet-Detail"));
     assert_eq!(header("Shotfleet-Original-Subject"), "shots.p0.xs.acme");
     assert_eq!(header("Shotfleet-Attempts"), "1");
+    assert_eq!(header("Shotfleet-Deliveries"), "1");
     assert_eq!(header("Shotfleet-Worker"), "strict");
     assert_eq!(&record.payload[..], b"{\"v\":1,\"job_id\":\"bad-1\",\"width\":\"wide\"}", "the original payload is kept");
 

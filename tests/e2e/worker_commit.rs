@@ -73,10 +73,11 @@ async fn two_workers_rendering_one_job_leave_one_result_and_only_its_images() {
     let server = NatsServer::start();
     let js = jetstream_with(&server.url(), &short_ack_wait()).await;
     let store = tempfile::tempdir().unwrap();
-    // The first stalls before publishing, without progress acks: the server redelivers the job
-    // to the second, which commits first. Both render different bytes.
+    // The first stalls before publishing, without progress acks, until the second has
+    // committed: the server redelivers the job to the second, which commits first. Both render
+    // different bytes.
     let mut slow = WorkerSpec::new("slow", store.path());
-    slow.extra = "[faults]\nstall_before_publish = \"8s\"\nmark_images = true\n".into();
+    slow.extra = "[faults]\nstall_before_publish = \"100ms\"\nstall_until_committed = true\nmark_images = true\n".into();
     let slow = Worker::start(&server.url(), slow);
     let j = shot(Priority::P1, job("race-1", "acme", (64, 64), 3, 2));
     submit(&js, std::slice::from_ref(&j)).await;
@@ -94,7 +95,7 @@ async fn two_workers_rendering_one_job_leave_one_result_and_only_its_images() {
     assert_eq!(result.worker, "fast");
     // Wait for the slow one to lose the race and clean up after itself.
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    while !slow.log().contains("another worker committed this job first") {
+    while !slow.log().contains("another outcome was committed first") {
         assert!(std::time::Instant::now() < deadline, "{}", slow.log());
         tokio::time::sleep(Duration::from_millis(200)).await;
     }

@@ -164,12 +164,9 @@ mod tests {
     }
 
     #[test]
-    fn kinds_name_themselves_and_say_what_to_do() {
+    fn kinds_name_themselves() {
         assert_eq!(ErrorKind::DriverFault.reason(), "driver");
         assert_eq!(ErrorKind::Oom.to_string(), "oom");
-        assert!(!ErrorKind::Invalid.is_retryable());
-        assert!(ErrorKind::Timeout.is_retryable());
-        assert!(ErrorKind::DriverFault.stops_the_worker());
-        assert!(!ErrorKind::Oom.stops_the_worker());
+        assert_eq!(ErrorKind::GiveBack { after: std::time::Duration::ZERO }.reason(), "give_back");
     }
 }

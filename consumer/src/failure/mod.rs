@@ -1,13 +1,16 @@
-//! What a failure means for the job and the worker: every error of a render (or of NVML) comes
-//! down to one [`ErrorKind`], and the kind decides ack, nak, degrade, fail or stop.
+//! What a failure means for the job and the worker: every error of a job's steps comes down to
+//! one [`ErrorKind`], and `worker::settle` turns the kind into ack, nak, term with a failed
+//! record, degrade, or stopping the worker.
 //!
 //! | kind | examples | what the worker does |
 //! | --- | --- | --- |
-//! | [`Invalid`](ErrorKind::Invalid) | size not a multiple of 8, a prompt the tokenizer refuses, an input shape the model refuses | publish to `shots.failed.<prio>.<project>` with its headers, then `term`; never retried |
-//! | [`Oom`](ErrorKind::Oom) | ORT's BFC arena full, `CUDA failure 2: out of memory`, cuBLAS/cuDNN allocation failures, cuDNN refusing a too-large tensor | shrink the arena (rebuild sessions if they are poisoned); first time nak with a short delay (a roomier worker may take it at full quality) and correct the estimate; again: the degrade ladder (smaller UNet batches, tiled VAE, in place; then republish one rung down) |
-//! | [`Transient`](ErrorKind::Transient) | upload or publish error, a model output the pipeline cannot use, anything unrecognised | nak with backoff; after `max_deliver`, the failed stream |
-//! | [`DriverFault`](ErrorKind::DriverFault) | illegal address, launch failure, uncorrectable ECC, "GPU has fallen off the bus", CUDA 999, NVML `GpuLost` | stop fetching, nak in-flight jobs at once, record the fault, exit with [`EXIT_DRIVER_FAULT`] so the supervisor restarts the worker; a job present at repeated faults goes to the failed stream with reason `driver` |
+//! | [`Invalid`](ErrorKind::Invalid) | size not a multiple of 8, a prompt the tokenizer refuses, an input shape the model refuses | failed record (reason `invalid`), then `term`; never retried |
+//! | [`Oom`](ErrorKind::Oom) | ORT's BFC arena full, `CUDA failure 2: out of memory`, cuBLAS/cuDNN allocation failures | while rendering: shrink, learn, give back on the job's first out-of-memory (a roomier worker may take it), then smaller UNet batches and a tiled VAE in place; what reaches `settle` is out of memory one image at a time: re-publish one rung down, or fail `oom` below the floor |
+//! | [`Transient`](ErrorKind::Transient) | upload or publish error, a model output the pipeline cannot use, anything unrecognised | a failed attempt: nak with backoff; at `max_failures`, failed record (reason `attempts`) |
 //! | [`Timeout`](ErrorKind::Timeout) | the job's time limit stopped the render (`RunOptions::terminate`) | as transient |
+//! | [`GiveBack`](ErrorKind::GiveBack) | no room now, the worker stopping, a first out-of-memory | nak after the delay; not a failed attempt |
+//! | [`DriverFault`](ErrorKind::DriverFault) | illegal address, launch failure, uncorrectable ECC, "GPU has fallen off the bus", CUDA 999, NVML `GpuLost` | nak at once (failed record `driver` when present at repeated faults), stop fetching, exit with [`EXIT_DRIVER_FAULT`] |
+//! | [`StoreUnusable`](ErrorKind::StoreUnusable) | credentials refused, permission denied, the bucket gone | nak at once (not a failed attempt: the job is fine), stop fetching, not ready, exit with [`EXIT_STORE`] |
 //!
 //! A CUDA context that saw a driver fault is unusable for the life of the process (CUDA's
 //! "sticky" errors), so nothing short of a new process recovers: hence the exit.
@@ -18,6 +21,8 @@
 
 pub mod classify;
 
+use std::time::Duration;
+
 pub use classify::{classify_nvml, classify_render, classify_text};
 
 /// What a failure means; see the module's table for what the worker does with each.
@@ -27,35 +32,30 @@ pub enum ErrorKind {
     Invalid,
     /// Not enough memory for this job at this size on this worker now.
     Oom,
-    /// Might work on a retry (here or elsewhere).
+    /// Might work on a retry (here or elsewhere); counts as a failed attempt.
     Transient,
+    /// The job ran past its time limit; counts as a failed attempt.
+    Timeout,
+    /// Nothing failed: the job is handed back, to be delivered again after `after`.
+    GiveBack { after: Duration },
     /// The GPU or its driver is broken for this process.
     DriverFault,
-    /// The job ran past its time limit.
-    Timeout,
+    /// The object store refuses every job (credentials, permissions, a missing bucket).
+    StoreUnusable,
 }
 
 impl ErrorKind {
-    /// A short lowercase name for logs, metrics labels and the `Shotfleet-Reason` header
-    /// (`driver` as DESIGN.md names it).
+    /// A short lowercase name for logs and metrics labels.
     pub fn reason(self) -> &'static str {
         match self {
             ErrorKind::Invalid => "invalid",
             ErrorKind::Oom => "oom",
             ErrorKind::Transient => "transient",
-            ErrorKind::DriverFault => "driver",
             ErrorKind::Timeout => "timeout",
+            ErrorKind::GiveBack { .. } => "give_back",
+            ErrorKind::DriverFault => "driver",
+            ErrorKind::StoreUnusable => "store_unusable",
         }
-    }
-
-    /// Whether the job may be delivered again (nak) rather than failed at once.
-    pub fn is_retryable(self) -> bool {
-        !matches!(self, ErrorKind::Invalid)
-    }
-
-    /// Whether the process must stop taking work and exit with [`EXIT_DRIVER_FAULT`].
-    pub fn stops_the_worker(self) -> bool {
-        self == ErrorKind::DriverFault
     }
 }
 
@@ -64,6 +64,54 @@ impl std::fmt::Display for ErrorKind {
         f.write_str(self.reason())
     }
 }
+
+/// Why one step of a job did not complete; its [`ErrorKind`] decides how the job ends.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{detail}")]
+pub struct JobError {
+    pub kind: ErrorKind,
+    /// For a person: what happened, naming the step.
+    pub detail: String,
+}
+
+impl JobError {
+    pub fn new(kind: ErrorKind, detail: impl Into<String>) -> Self {
+        Self { kind, detail: detail.into() }
+    }
+
+    pub fn invalid(detail: impl Into<String>) -> Self {
+        Self::new(ErrorKind::Invalid, detail)
+    }
+
+    pub fn transient(detail: impl Into<String>) -> Self {
+        Self::new(ErrorKind::Transient, detail)
+    }
+
+    pub fn give_back(after: Duration, detail: impl Into<String>) -> Self {
+        Self::new(ErrorKind::GiveBack { after }, detail)
+    }
+
+    /// A store error as a job error: permanent refusals stop the worker, an unsafe key makes
+    /// the job invalid, the rest is worth another attempt.
+    pub fn store(step: &str, error: &crate::store::StoreError) -> Self {
+        use crate::store::StoreErrorKind;
+        let kind = match error.kind() {
+            StoreErrorKind::Permanent => ErrorKind::StoreUnusable,
+            StoreErrorKind::InvalidKey => ErrorKind::Invalid,
+            _ => ErrorKind::Transient,
+        };
+        Self::new(kind, format!("{step}: {error}"))
+    }
+}
+
+/// Exit status for a configuration the worker cannot start with (clap's usage errors exit 2
+/// too): restarting will not help until a person fixes it. systemd:
+/// `RestartPreventExitStatus=2`.
+pub const EXIT_CONFIG: i32 = 2;
+
+/// Exit status when a start-up step failed (NATS, the store, the models, calibration): the
+/// supervisor may retry with backoff.
+pub const EXIT_START: i32 = 3;
 
 /// Exit status after a driver fault: the GPU context is gone, restart the worker (and count
 /// the restarts: a card that keeps faulting needs a person). 75 is `EX_TEMPFAIL` in
@@ -74,7 +122,7 @@ pub const EXIT_DRIVER_FAULT: i32 = 75;
 /// reached, in-flight work finished first): not a failure, restart at once.
 pub const EXIT_RESTART: i32 = 76;
 
-/// Exit status for a configuration or model folder the worker cannot start with: restarting
-/// will not help until a person fixes it. 78 is `EX_CONFIG`; systemd:
-/// `RestartPreventExitStatus=78`.
-pub const EXIT_CONFIG: i32 = 78;
+/// Exit status when the object store refused for good while serving (credentials revoked,
+/// permission denied, the bucket deleted): the worker gave its jobs back; restarting helps
+/// only once an operator fixed the store. 77 is `EX_NOPERM` in `sysexits.h`.
+pub const EXIT_STORE: i32 = 77;

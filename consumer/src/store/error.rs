@@ -9,12 +9,13 @@ use object_store::client::{HttpError, HttpErrorKind};
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum StoreErrorKind {
-    /// Another try later may work: storage unreachable, timed out, throttled, 5xx, disk full, the
-    /// bucket missing. The store has already retried within its budget; the worker naks the job
-    /// with a delay (and stops fetching if every upload fails).
+    /// Another try later may work: storage unreachable, timed out, throttled, 5xx, disk full.
+    /// The store has already retried within its budget; the worker counts a failed attempt and
+    /// naks the job with a backoff.
     Transient,
     /// Retrying cannot help until an operator acts: a bad URL or setting, credentials refused,
-    /// permission denied. At start the worker refuses to run; at run time it naks and stops.
+    /// permission denied, the bucket gone. At start the worker refuses to run; at run time it
+    /// gives its jobs back (they are fine) and stops with `EXIT_STORE`.
     Permanent,
     /// An input (project, job or shot id, or a key handed back) cannot make a safe key. The job is
     /// invalid and goes to the failed stream.
@@ -117,10 +118,10 @@ impl StoreError {
 pub(crate) fn classify(op: Op, error: &object_store::Error) -> StoreErrorKind {
     use object_store::Error as E;
     match error {
-        // A put or list can only 404 when the bucket is gone: start-up checked it exists, so this is
-        // an outage of the storage side (a bucket being recreated, a server restarting empty). A
-        // nak keeps the job; stopping the worker would not bring the bucket back.
-        E::NotFound { .. } if op != Op::Get => StoreErrorKind::Transient,
+        // A put or list can only 404 when the bucket is gone (start-up checked it existed): every
+        // job would fail the same way, so no job should be charged for it. The worker gives its
+        // jobs back and stops until an operator restores the bucket.
+        E::NotFound { .. } if op != Op::Get => StoreErrorKind::Permanent,
         E::NotFound { .. } => StoreErrorKind::NotFound,
         E::Generic { .. } => match io_error_kind(error) {
             Some(std::io::ErrorKind::PermissionDenied | std::io::ErrorKind::ReadOnlyFilesystem) => {
@@ -200,6 +201,7 @@ mod tests {
     fn not_found_is_missing_object_for_get_and_missing_bucket_otherwise() {
         let nf = || object_store::Error::NotFound { path: "k".into(), source: "404".into() };
         assert_eq!(classify(Op::Get, &nf()), StoreErrorKind::NotFound);
-        assert_eq!(classify(Op::Put, &nf()), StoreErrorKind::Transient);
+        assert_eq!(classify(Op::Put, &nf()), StoreErrorKind::Permanent);
+        assert_eq!(classify(Op::List, &nf()), StoreErrorKind::Permanent);
     }
 }

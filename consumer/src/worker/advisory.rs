@@ -4,12 +4,14 @@
 //! job whose last delivery ended in a crash (SIGKILL, a lost node) is never redelivered and never
 //! recorded: the server only emits a `MAX_DELIVERIES` advisory (with the stream sequence, no
 //! payload) and leaves the message in the work-queue stream. Every worker listens; the first to
-//! act copies the message into the failed stream (reason `max_deliveries`, message id
-//! `<job>:failed:<seq>`, so a second worker's copy is a duplicate) and only then deletes it
-//! from the work stream. NATS-NOTES: the advisory is emitted when a later pull arrives, which a
-//! running fleet always makes.
+//! act fails the job as a worker would (failed record with reason `max_deliveries`, message id
+//! `<job>:failed:<seq>` so a second worker's copy is a duplicate, the job's `failed` outcome,
+//! the sweep of what its dead attempts uploaded) and only then deletes it from the work stream.
+//! A job that a live worker settled meanwhile keeps that worker's outcome. NATS-NOTES: the
+//! advisory is emitted when a later pull arrives, which a running fleet always makes.
 
 use std::sync::Arc;
+use std::time::SystemTime;
 
 use futures::StreamExt;
 use serde::Deserialize;
@@ -17,8 +19,9 @@ use shotfleet_schema::encoding;
 use shotfleet_schema::failure::FailureReason;
 use shotfleet_schema::subject;
 
-use crate::worker::failed::{self, Record};
 use crate::worker::Shared;
+use crate::worker::commit;
+use crate::worker::failed::{self, Case, Recorded};
 
 #[derive(Deserialize)]
 struct MaxDeliveries {
@@ -48,26 +51,54 @@ pub fn listen(shared: Arc<Shared>, mut advisories: async_nats::Subscriber) -> to
 }
 
 async fn rescue(shared: &Shared, advisory: MaxDeliveries) {
+    tracing::info!(seq = advisory.stream_seq, deliveries = advisory.deliveries, "a job reached its consumer's max deliveries");
     let Ok(stream) = shared.js.get_stream(subject::JOBS_STREAM).await else { return };
     // Gone already: acked, terminated (with its record) or rescued by another worker.
-    let Ok(message) = stream.get_raw_message(advisory.stream_seq).await else { return };
+    let Ok(message) = stream.get_raw_message(advisory.stream_seq).await else {
+        tracing::debug!(seq = advisory.stream_seq, "already settled");
+        return;
+    };
     let content_type = message.headers.get(encoding::HEADER).map(|v| v.as_str().to_owned());
-    let job_id = encoding::decode_job(content_type.as_deref(), &message.payload).ok().map(|job| job.job_id);
-    let record = Record {
+    let job = encoding::decode_job(content_type.as_deref(), &message.payload).ok();
+    let published: SystemTime = message.time.into();
+    let mut last_outcome = 0;
+    if let Some(job) = job.as_ref().filter(|job| commit::names_a_subject(job)) {
+        match commit::last_outcome(shared, &job.project, &job.job_id).await {
+            Ok(Some(outcome)) if outcome.settles(published) => {
+                remove(&stream, advisory.stream_seq, &job.job_id, "job past max deliveries already has its outcome; removed").await;
+                return;
+            }
+            Ok(last) => last_outcome = last.map_or(0, |o| o.sequence),
+            Err(e) => {
+                tracing::warn!(seq = advisory.stream_seq, error = %e, "cannot rescue a job past max deliveries now; it stays in the stream");
+                return;
+            }
+        }
+    }
+    let case = Case {
         payload: message.payload.clone(),
-        content_type,
+        content_type: content_type.as_deref(),
         original_subject: message.subject.as_str(),
-        attempts: advisory.deliveries,
-        job_id: job_id.as_deref(),
         stream_sequence: advisory.stream_seq,
+        deliveries: advisory.deliveries,
+        queued: SystemTime::now().duration_since(published).unwrap_or_default(),
+        job: job.as_ref(),
+        last_outcome,
     };
     let detail = format!("no worker finished it in {} deliveries (the last one ended without an answer)", advisory.deliveries);
-    if let Err(e) = failed::publish(shared, &record, FailureReason::MaxDeliveries, &detail).await {
-        tracing::warn!(seq = advisory.stream_seq, error = %e, "could not record a job past max deliveries; it stays in the stream");
-        return;
+    let job_id = job.as_ref().map_or("?", |j| j.job_id.as_str());
+    match failed::record(shared, &case, FailureReason::MaxDeliveries, &detail, advisory.deliveries).await {
+        Recorded::Failed => remove(&stream, advisory.stream_seq, job_id, "job past max deliveries moved to the failed stream").await,
+        Recorded::SettledBy(_) => remove(&stream, advisory.stream_seq, job_id, "job past max deliveries was settled meanwhile; removed").await,
+        Recorded::NotStored(e) => {
+            tracing::warn!(seq = advisory.stream_seq, error = %e, "could not record a job past max deliveries; it stays in the stream");
+        }
     }
-    match stream.delete_message(advisory.stream_seq).await {
-        Ok(_) => tracing::warn!(job = job_id.as_deref().unwrap_or("?"), seq = advisory.stream_seq, "job past max deliveries moved to the failed stream"),
-        Err(e) => tracing::debug!(seq = advisory.stream_seq, error = %e, "already removed"),
+}
+
+async fn remove(stream: &async_nats::jetstream::stream::Stream, sequence: u64, job_id: &str, what: &str) {
+    match stream.delete_message(sequence).await {
+        Ok(_) => tracing::warn!(job = job_id, seq = sequence, "{what}"),
+        Err(e) => tracing::debug!(seq = sequence, error = %e, "already removed"),
     }
 }

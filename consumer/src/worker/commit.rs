@@ -1,85 +1,198 @@
-//! The commit protocol: the result is the commit point.
+//! The commit protocol: a job's outcome on its result subject is the commit point.
 //!
-//! 1. On fetch, look up the job's result (a direct get of the last message on
-//!    `shots.done.<project>.<job>`). If it exists, the job is done: sweep and ack.
+//! 1. On fetch, look up the job's last outcome (a direct get of the last message on
+//!    `shots.done.<project>.<job>`). A rendered result settles every message of the job; a
+//!    failed or cancelled outcome settles the messages published before it. A settled message
+//!    is only swept and acked.
 //! 2. Render, and upload to content-addressed keys (`<shot>-<index>-<sha8>.png`).
-//! 3. Publish the result with `Nats-Msg-Id = <job>:done`. If the server says duplicate, another
-//!    worker committed first: its result stands.
-//! 4. Sweep: delete every object under the job's prefix that the committed result does not
-//!    name. Then ack.
+//! 3. Claim the subject: publish the outcome with `Nats-Expected-Last-Subject-Sequence` set to
+//!    the last outcome seen in step 1 (0 when none). The server stores it only if nothing was
+//!    published there since, however long ago the other publish was (a duplicate window would
+//!    forget it). A refusal means another worker settled the job first: its outcome stands.
+//!    Failing a job claims the subject the same way, so a job never ends with both a result and
+//!    a failure.
+//! 4. Sweep: delete every object under the job's prefix that the outcome does not name (all of
+//!    them for a failure). Then ack.
 //!
 //! This differs from deleting an earlier attempt's leftovers *before* rendering: two workers can
 //! hold the same job at once (a redelivery while the first is still alive), and a delete before
 //! the commit could remove images the other is about to name in its result. Sweeping only
-//! against a committed result never touches a named image, and every delivery of a job ends with
-//! a sweep after the commit (step 1 sweeps too), so leftovers of crashed attempts go with the
-//! next delivery.
+//! against a committed outcome never touches a named image, and every delivery of a job ends
+//! with a sweep after the commit (step 1 sweeps too), so leftovers of crashed attempts go with
+//! the next delivery.
 
 use std::collections::HashSet;
+use std::time::{Duration, SystemTime};
 
-use async_nats::HeaderMap;
+use async_nats::jetstream::context::PublishErrorKind;
+use async_nats::jetstream::message::PublishMessage;
 use async_nats::jetstream::stream::DirectGetErrorKind;
 use shotfleet_schema::encoding::{self, ContentType};
-use shotfleet_schema::{subject, ShotResult};
+use shotfleet_schema::validate::{MAX_ID_BYTES, MAX_PROJECT_BYTES, id_problem};
+use shotfleet_schema::{Failure, ImageRef, ResultStatus, ShotJob, ShotResult, Timing, subject};
 
+use crate::failure::JobError;
+use crate::faults;
+use crate::pipeline::RenderedImage;
 use crate::worker::Shared;
 
-/// Why a result could not be read or written; the job should be naked and retried.
-#[derive(Debug, thiserror::Error)]
-#[error("{0}")]
-pub struct CommitError(pub String);
+/// The last outcome on a job's result subject.
+#[derive(Debug, Clone)]
+pub struct Outcome {
+    pub result: ShotResult,
+    /// Its sequence in `SHOT_RESULTS`: a later claim expects it.
+    pub sequence: u64,
+    /// When the server stored it.
+    pub stored: SystemTime,
+}
 
-/// The committed result of a job, if any.
-pub async fn existing_result(shared: &Shared, project: &str, job_id: &str) -> Result<Option<ShotResult>, CommitError> {
+impl Outcome {
+    /// Whether this outcome settles a job message published at `published`: a rendered result
+    /// settles every message of the job; a failure or cancellation only the messages published
+    /// before it (one published after it is a replay or a re-submission: a new request).
+    pub fn settles(&self, published: SystemTime) -> bool {
+        self.result.is_rendered() || self.stored >= published
+    }
+}
+
+/// The last outcome of a job, if any.
+///
+/// # Errors
+/// A transient [`JobError`] when the results stream cannot be read.
+pub async fn last_outcome(shared: &Shared, project: &str, job_id: &str) -> Result<Option<Outcome>, JobError> {
     let subject = subject::result(project, job_id);
     match shared.results.direct_get_last_for_subject(subject).await {
         Ok(message) => {
             let ct = message.headers.get(encoding::HEADER).map(|v| v.as_str().to_owned());
-            let ct = ContentType::from_header(ct.as_deref()).map_err(|e| CommitError(e.to_string()))?;
-            encoding::decode(ct, &message.payload).map(Some).map_err(|e| CommitError(format!("committed result unreadable: {e}")))
+            let ct = ContentType::from_header(ct.as_deref()).map_err(|e| JobError::transient(e.to_string()))?;
+            let result = encoding::decode(ct, &message.payload)
+                .map_err(|e| JobError::transient(format!("the job's committed outcome is unreadable: {e}")))?;
+            Ok(Some(Outcome { result, sequence: message.sequence, stored: message.time.into() }))
         }
         Err(e) if matches!(e.kind(), DirectGetErrorKind::NotFound) => Ok(None),
-        Err(e) => Err(CommitError(format!("cannot look up the result: {e}"))),
+        Err(e) => Err(JobError::transient(format!("cannot look up the job's outcome: {e}"))),
     }
 }
 
-/// What publishing a result found.
-pub enum Commit {
-    /// Ours is the job's result.
+/// What claiming a job's result subject found.
+#[derive(Debug)]
+pub enum Claim {
+    /// Ours is the job's outcome.
     Ours,
-    /// Another worker's result was already committed; it is returned.
-    Theirs(Box<ShotResult>),
+    /// Another outcome was there first; it stands.
+    Theirs(Box<Outcome>),
 }
 
-/// Publishes `result` deduplicated by `<job>:done`.
-pub async fn publish(shared: &Shared, result: &ShotResult) -> Result<Commit, CommitError> {
-    let mut headers = HeaderMap::new();
-    headers.insert(encoding::HEADER, ContentType::Json.as_str());
-    headers.insert("Nats-Msg-Id", subject::msg_id::done(&result.job_id).as_str());
+/// Publishes `result` as the outcome of the job message at `stream_sequence`, if the last
+/// outcome on its subject is still `expected` (0: none).
+///
+/// # Errors
+/// A transient [`JobError`] when the publish or the look-up after a refusal failed.
+pub async fn claim(shared: &Shared, result: &ShotResult, expected: u64, stream_sequence: u64) -> Result<Claim, JobError> {
     let payload = encoding::encode(ContentType::Json, result);
-    let ack = shared
-        .js
-        .publish_with_headers(subject::result(&result.project, &result.job_id), headers, payload.into())
-        .await
-        .map_err(|e| CommitError(format!("cannot publish the result: {e}")))?
-        .await
-        .map_err(|e| CommitError(format!("result not acknowledged: {e}")))?;
-    if !ack.duplicate {
-        return Ok(Commit::Ours);
-    }
-    match existing_result(shared, &result.project, &result.job_id).await? {
-        Some(theirs) => Ok(Commit::Theirs(Box::new(theirs))),
-        // Duplicate inside the window but no result stored: the stream lost it (max age).
-        None => Err(CommitError("the server reports a duplicate result but holds none".into())),
+    let publish = PublishMessage::build()
+        .payload(payload.into())
+        .header(encoding::HEADER, ContentType::Json.as_str())
+        .message_id(subject::msg_id::outcome(&result.job_id, stream_sequence))
+        .expected_last_subject_sequence(expected);
+    let target = subject::result(&result.project, &result.job_id);
+    let published = match shared.js.send_publish(target, publish).await {
+        Ok(ack) => ack.await,
+        Err(e) => return Err(JobError::transient(format!("cannot publish the job's outcome: {e}"))),
+    };
+    match published {
+        Ok(ack) if !ack.duplicate => Ok(Claim::Ours),
+        // This message's outcome was published before: by this worker (a retried publish) or
+        // by another that held the same delivery.
+        Ok(_) => theirs_unless_ours(shared, result).await,
+        Err(e) if e.kind() == PublishErrorKind::WrongLastSequence => theirs_unless_ours(shared, result).await,
+        Err(e) => Err(JobError::transient(format!("the job's outcome was not acknowledged: {e}"))),
     }
 }
 
-/// Deletes every object under the job's prefix that `result` does not name.
-pub async fn sweep(shared: &Shared, result: &ShotResult) -> Result<usize, CommitError> {
-    let keep: HashSet<String> = result.images.iter().map(|i| i.key.clone()).collect();
-    shared
-        .store
-        .sweep_job(&result.project, &result.job_id, &keep)
-        .await
-        .map_err(|e| CommitError(format!("cannot sweep the job's objects: {e}")))
+async fn theirs_unless_ours(shared: &Shared, ours: &ShotResult) -> Result<Claim, JobError> {
+    match last_outcome(shared, &ours.project, &ours.job_id).await? {
+        Some(outcome) if outcome.result.worker == ours.worker && outcome.result.attempt == ours.attempt && outcome.result.status == ours.status => {
+            Ok(Claim::Ours)
+        }
+        Some(outcome) => Ok(Claim::Theirs(Box::new(outcome))),
+        None => Err(JobError::transient("the server refused the job's outcome but holds none (results stream max age?)")),
+    }
+}
+
+/// Deletes every object under the job's prefix that `keep` does not name; returns how many.
+///
+/// # Errors
+/// The store's failure, as a [`JobError`] (a permanent one stops the worker).
+pub async fn sweep(shared: &Shared, project: &str, job_id: &str, keep: &[ImageRef]) -> Result<usize, JobError> {
+    let keep: HashSet<String> = keep.iter().map(|i| i.key.clone()).collect();
+    shared.store.sweep_job(project, job_id, &keep).await.map_err(|e| JobError::store("sweep the job's objects", &e))
+}
+
+/// Uploads a job's images to their content-addressed keys.
+///
+/// # Errors
+/// The store's failure, as a [`JobError`].
+pub async fn upload(shared: &Shared, job: &ShotJob, images: Vec<RenderedImage>) -> Result<Vec<ImageRef>, JobError> {
+    let mut refs = Vec::with_capacity(images.len());
+    for image in images {
+        let png = if shared.config.faults.mark_images {
+            faults::add_png_text(&image.png, "shotfleet-worker", &shared.config.worker_id)
+        } else {
+            image.png
+        };
+        let stored = shared
+            .store
+            .put_image(&job.project, &job.job_id, &job.shot_id, image.index, png)
+            .await
+            .map_err(|e| JobError::store(&format!("upload image {}", image.index), &e))?;
+        refs.push(ImageRef {
+            key: stored.key,
+            index: image.index,
+            seed: image.seed,
+            width: image.width,
+            height: image.height,
+            bytes: stored.bytes,
+            sha256: stored.sha256,
+        });
+    }
+    Ok(refs)
+}
+
+/// Whether the job's project and id make a result subject (they do once validated; a job
+/// failed as invalid may have either broken).
+pub fn names_a_subject(job: &ShotJob) -> bool {
+    id_problem(&job.job_id, MAX_ID_BYTES).is_none() && id_problem(&job.project, MAX_PROJECT_BYTES).is_none()
+}
+
+/// An outcome of `job` from this worker, without images: `attempt` is the delivery's count,
+/// `queued` how long it waited in the stream.
+pub fn outcome_of(
+    shared: &Shared,
+    job: &ShotJob,
+    attempt: u64,
+    queued: Duration,
+    status: ResultStatus,
+    failure: Option<Failure>,
+) -> ShotResult {
+    ShotResult {
+        v: shotfleet_schema::VERSION,
+        job_id: job.job_id.clone(),
+        project: job.project.clone(),
+        shot_id: job.shot_id.clone(),
+        status,
+        images: Vec::new(),
+        degrade: job.degrade,
+        worker: shared.config.worker_id.clone(),
+        device: shared.device_name.clone(),
+        attempt: attempt as u32,
+        timing: Timing { queue_ms: queued.as_millis() as u64, ..Timing::default() },
+        finished_at_ms: now_ms(),
+        failure,
+    }
+}
+
+/// Milliseconds since the Unix epoch, for outcomes.
+pub fn now_ms() -> u64 {
+    SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).unwrap_or(Duration::ZERO).as_millis() as u64
 }

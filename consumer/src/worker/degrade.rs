@@ -1,49 +1,68 @@
-//! The degrade ladder's outer rungs: when the job cannot fit on this worker even one image at a
+//! The degrade ladder's outer rung: when the job cannot fit on this worker even one image at a
 //! time with a tiled VAE, it is re-published one rung down, so a card with room for the smaller
 //! job (or this one, later) renders it.
 //!
-//! A rung first lowers the resolution into the next smaller memory class (aspect kept, sides
-//! multiples of 64; within `xs`, three quarters of each side), then, once the sides are at the
-//! floor, the steps (three quarters, at least the floor's). The job's `floor` bounds both; a job
-//! without one is bounded by the worker's `[degrade]` settings. Below the floor the job fails
-//! with reason `oom`.
+//! A rung lowers the resolution into the next smaller memory class (aspect kept, sides
+//! multiples of 64; within `xs`, three quarters of each side). Steps are never lowered: peak
+//! memory does not depend on them (the budget's model has no steps term), so fewer steps would
+//! cost an out-of-memory cycle and lose quality for nothing. The job's `floor.min_side` bounds
+//! the rung; a job without a floor is bounded by the worker's `[degrade] min_side`. Below the
+//! floor the job fails with reason `oom`.
 
 use serde::Deserialize;
+use shotfleet_schema::encoding::{self, ContentType};
+use shotfleet_schema::subject::{self, SubjectClass};
 use shotfleet_schema::{Degrade, MemoryClass, Original, ShotJob};
+
+use crate::failure::JobError;
+use crate::worker::Shared;
+use crate::worker::delivery::Delivery;
 
 /// `[degrade]`: the ladder's lower end for jobs that name no floor.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct DegradeConfig {
+    /// The shorter side never falls below this many pixels (nor below the job's own).
     pub min_side: u32,
-    pub min_steps: u32,
 }
 
 impl Default for DegradeConfig {
     fn default() -> Self {
-        Self { min_side: 512, min_steps: 12 }
+        Self { min_side: 512 }
     }
 }
 
 /// The job one rung down, or `None` when the floor is reached.
 pub fn next_rung(job: &ShotJob, ladder: &DegradeConfig) -> Option<ShotJob> {
-    let (min_side, min_steps) = match job.floor {
-        Some(floor) => (floor.min_side, floor.min_steps),
-        None => (ladder.min_side.min(job.width.min(job.height)), ladder.min_steps.min(job.steps)),
+    let min_side = match job.floor {
+        Some(floor) => floor.min_side,
+        None => ladder.min_side.min(job.width.min(job.height)),
     };
-    let (width, height, steps) = match smaller_size(job.width, job.height, min_side) {
-        Some((w, h)) => (w, h, job.steps),
-        None => {
-            let steps = (job.steps * 3 / 4).max(min_steps);
-            if steps >= job.steps {
-                return None;
-            }
-            (job.width, job.height, steps)
-        }
-    };
+    let (width, height) = smaller_size(job.width, job.height, min_side)?;
     let from = job.degrade.map_or(Original { width: job.width, height: job.height, steps: job.steps }, |d| d.from);
     let level = job.degrade.map_or(1, |d| d.level + 1);
-    Some(ShotJob { width, height, steps, degrade: Some(Degrade { level, from }), ..job.clone() })
+    Some(ShotJob { width, height, degrade: Some(Degrade { level, from }), ..job.clone() })
+}
+
+/// Publishes `smaller` (from [`next_rung`]) to its class subject at the original's priority,
+/// with `Nats-Msg-Id <job>:deg:<level>`, and waits for the server to store it.
+///
+/// # Errors
+/// A transient [`JobError`]: the original must be kept.
+pub async fn republish(shared: &Shared, delivery: &Delivery, smaller: &ShotJob) -> Result<(), JobError> {
+    let level = smaller.degrade.map_or(1, |d| d.level);
+    let target = subject::job(delivery.origin.priority, SubjectClass::Class(smaller.class()), &smaller.project);
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert(encoding::HEADER, ContentType::MessagePack.as_str());
+    headers.insert("Nats-Msg-Id", subject::msg_id::degrade(&smaller.job_id, level).as_str());
+    let payload = encoding::encode(ContentType::MessagePack, smaller);
+    let stored = match shared.js.publish_with_headers(target.clone(), headers, payload.into()).await {
+        Ok(ack) => ack.await.map(drop).map_err(|e| e.to_string()),
+        Err(e) => Err(e.to_string()),
+    };
+    stored.map_err(|e| JobError::transient(format!("cannot re-publish the job one rung down to {target}: {e}")))?;
+    tracing::info!(job = %smaller.job_id, level, width = smaller.width, height = smaller.height, to = %target, "re-published one rung down");
+    Ok(())
 }
 
 /// Both sides scaled by one factor into the next smaller class, rounded down to multiples of 64,
@@ -78,7 +97,7 @@ mod tests {
 
     #[test]
     fn resolution_drops_one_class_keeping_the_aspect() {
-        let ladder = DegradeConfig { min_side: 256, min_steps: 10 };
+        let ladder = DegradeConfig { min_side: 256 };
         let j = job(1536, 1536, 30);
         let down = next_rung(&j, &ladder).unwrap();
         assert_eq!((down.width, down.height, down.steps), (1024, 1024, 30));
@@ -94,14 +113,15 @@ mod tests {
     }
 
     #[test]
-    fn then_steps_then_nothing_below_the_floor() {
-        let mut j = job(512, 512, 40);
+    fn steps_are_never_lowered_and_the_floor_ends_the_ladder() {
+        let mut j = job(768, 768, 40);
         j.floor = Some(Floor { min_side: 512, min_steps: 25 });
         let ladder = DegradeConfig::default();
-        let fewer = next_rung(&j, &ladder).unwrap();
-        assert_eq!((fewer.width, fewer.steps), (512, 30));
-        let fewer = next_rung(&fewer, &ladder).unwrap();
-        assert_eq!(fewer.steps, 25);
-        assert!(next_rung(&fewer, &ladder).is_none(), "floor reached");
+        let down = next_rung(&j, &ladder).unwrap();
+        assert_eq!((down.width, down.height, down.steps), (512, 512, 40));
+        assert!(next_rung(&down, &ladder).is_none(), "512 is the floor: fewer steps would not lower the peak");
+        let mut small = job(512, 512, 40);
+        small.floor = None;
+        assert!(next_rung(&small, &ladder).is_none(), "no rung at the worker's own floor either");
     }
 }

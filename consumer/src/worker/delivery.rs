@@ -1,4 +1,5 @@
-//! One delivered message and what the server told us about it, and the acks we send.
+//! One delivered message and what the server told us about it, the acks we send, and the
+//! keep-alive that holds it until it is settled.
 
 use std::time::{Duration, SystemTime};
 
@@ -17,9 +18,11 @@ pub struct Origin {
 pub struct Delivery {
     pub message: jetstream::Message,
     pub origin: Origin,
-    /// 1 for the first delivery.
+    /// 1 for the first delivery (give-backs count: this is the server's count).
     pub attempt: u64,
     pub stream_sequence: u64,
+    /// When the job was published (the stream's timestamp).
+    pub published: SystemTime,
     /// How long the job waited in the stream before this delivery.
     pub queued: Duration,
 }
@@ -31,7 +34,7 @@ impl Delivery {
             Err(_) => (1, 0, SystemTime::now()),
         };
         let queued = SystemTime::now().duration_since(published).unwrap_or_default();
-        Self { message, origin, attempt, stream_sequence, queued }
+        Self { message, origin, attempt, stream_sequence, published, queued }
     }
 
     pub fn subject(&self) -> &str {
@@ -53,7 +56,7 @@ impl Delivery {
     }
 
     /// Acknowledges and waits for the server to confirm, so a crash right after cannot
-    /// redeliver a job whose result is published.
+    /// redeliver a job whose outcome is published.
     pub async fn done(&self) -> Result<(), String> {
         self.message.double_ack().await.map_err(|e| e.to_string())
     }
@@ -78,8 +81,88 @@ impl Delivery {
     }
 }
 
-/// Exponential backoff for transient failures: 2 s, 4 s, 8 s ... at most a minute.
-pub fn backoff(attempt: u64) -> Duration {
-    let exp = attempt.saturating_sub(1).min(5) as u32;
-    Duration::from_secs(2u64.pow(exp + 1)).min(Duration::from_secs(60))
+/// Sends `AckKind::Progress` every `interval` for a held job, from the moment it is taken until
+/// it is settled (rendering, uploading, publishing, or waiting for its group), so the server
+/// never redelivers a job a live worker is still working on. Stops when dropped.
+pub struct KeepAlive {
+    task: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl KeepAlive {
+    /// Keeps `delivery` alive. `interval` of `None` sends nothing (fault injection's stalled
+    /// publish, which must let the server redeliver).
+    pub fn start(delivery: &Delivery, interval: Option<Duration>) -> Self {
+        let delivery = delivery.clone();
+        Self::every(interval, move || {
+            let delivery = delivery.clone();
+            async move { delivery.progress().await }
+        })
+    }
+
+    /// Runs `tick` every `interval`, the first one an interval from now.
+    pub fn every<F, Fut>(interval: Option<Duration>, mut tick: F) -> Self
+    where
+        F: FnMut() -> Fut + Send + 'static,
+        Fut: std::future::Future<Output = ()> + Send,
+    {
+        let task = interval.map(|interval| {
+            tokio::spawn(async move {
+                let mut ticker = tokio::time::interval(interval);
+                ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                ticker.tick().await;
+                loop {
+                    ticker.tick().await;
+                    tick().await;
+                }
+            })
+        });
+        Self { task }
+    }
+}
+
+impl Drop for KeepAlive {
+    fn drop(&mut self) {
+        if let Some(task) = self.task.take() {
+            task.abort();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicU32, Ordering};
+
+    use super::*;
+
+    fn counting(interval: Option<Duration>) -> (KeepAlive, Arc<AtomicU32>) {
+        let ticks = Arc::new(AtomicU32::new(0));
+        let counter = ticks.clone();
+        let alive = KeepAlive::every(interval, move || {
+            let counter = counter.clone();
+            async move {
+                counter.fetch_add(1, Ordering::SeqCst);
+            }
+        });
+        (alive, ticks)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn ticks_every_interval_until_dropped() {
+        let (alive, ticks) = counting(Some(Duration::from_secs(20)));
+        tokio::time::sleep(Duration::from_secs(10)).await;
+        assert_eq!(ticks.load(Ordering::SeqCst), 0, "the first tick is an interval away");
+        tokio::time::sleep(Duration::from_secs(55)).await;
+        assert_eq!(ticks.load(Ordering::SeqCst), 3, "at 20, 40 and 60 s");
+        drop(alive);
+        tokio::time::sleep(Duration::from_secs(100)).await;
+        assert_eq!(ticks.load(Ordering::SeqCst), 3, "nothing after the job is settled");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn no_interval_sends_nothing() {
+        let (_alive, ticks) = counting(None);
+        tokio::time::sleep(Duration::from_secs(600)).await;
+        assert_eq!(ticks.load(Ordering::SeqCst), 0);
+    }
 }

@@ -1,89 +1,123 @@
 //! Failed records: the job's original payload, published to `shots.failed.<prio>.<project>` with
-//! the reason in headers. Replay reads them back.
+//! the reason in headers (built by `shotfleet_schema::failure::RecordHeaders`, which makes every
+//! value from the payload safe). Replay reads them back. [`record`] fails a job: the record, the
+//! job's `failed` outcome, the sweep of its objects.
 
-use async_nats::HeaderMap;
 use bytes::Bytes;
-use shotfleet_schema::failure::{self, FailureReason};
+use shotfleet_schema::failure::{FailureReason, RecordFacts, RecordHeaders, one_line};
 use shotfleet_schema::subject::{self, Priority};
+use shotfleet_schema::{Failure, ResultStatus, ShotJob, ShotResult};
 
-use crate::worker::delivery::Delivery;
 use crate::worker::Shared;
+use crate::worker::commit::{self, Claim};
 
-/// What a failed record is made of.
-pub struct Record<'a> {
-    pub payload: Bytes,
-    pub content_type: Option<String>,
-    /// The subject the job was taken from: replay sends it back there.
-    pub original_subject: &'a str,
-    pub attempts: u64,
-    /// `None` when the payload could not be decoded.
-    pub job_id: Option<&'a str>,
-    /// The job's sequence in the work stream: part of the record's message id.
-    pub stream_sequence: u64,
-}
-
-impl Record<'_> {
-    /// The failed subject: the original's priority and project (`unknown` when unparsable).
-    fn subject(&self) -> String {
-        match subject::parse_job(self.original_subject) {
-            Ok(parsed) => subject::failed(parsed.priority, &parsed.project),
-            Err(_) => subject::failed(Priority::P2, "unknown"),
-        }
+/// The failed subject of a job taken from `original_subject`: its priority and project
+/// (`p2`/`unknown` when the subject is not a job subject).
+fn failed_subject(original_subject: &str) -> String {
+    match subject::parse_job(original_subject) {
+        Ok(parsed) => subject::failed(parsed.priority, &parsed.project),
+        Err(_) => subject::failed(Priority::P2, "unknown"),
     }
 }
 
-/// Publishes a failed record and waits for the server to store it.
+/// Publishes a failed record of `payload` and waits for the server to store it; returns its
+/// sequence in `SHOTS_FAILED`.
 ///
 /// # Errors
 /// The publish or its acknowledgement failed; the caller must keep the job.
-pub async fn publish(shared: &Shared, record: &Record<'_>, reason: FailureReason, detail: &str) -> Result<(), String> {
-    let mut headers = HeaderMap::new();
-    if let Some(ct) = &record.content_type {
-        headers.insert(failure::CONTENT_TYPE, ct.as_str());
-    }
-    headers.insert(failure::REASON, reason.as_str());
-    headers.insert(failure::DETAIL, failure::header_safe(detail).as_str());
-    headers.insert(failure::ORIGINAL_SUBJECT, record.original_subject);
-    headers.insert(failure::ATTEMPTS, record.attempts.to_string().as_str());
-    headers.insert(failure::WORKER, shared.config.worker_id.as_str());
-    let id = match record.job_id {
-        Some(job_id) => {
-            headers.insert(failure::JOB_ID, job_id);
-            subject::msg_id::failed(job_id, record.stream_sequence)
-        }
-        None => format!("seq-{}:failed", record.stream_sequence),
-    };
-    headers.insert("Nats-Msg-Id", id.as_str());
-    shared
+pub async fn publish(shared: &Shared, payload: Bytes, facts: &RecordFacts<'_>) -> Result<u64, String> {
+    let headers = RecordHeaders::new(facts);
+    let map = shotfleet_schema::nats::header_map(headers.pairs.iter().map(|(n, v)| (*n, v.as_str())));
+    let ack = shared
         .js
-        .publish_with_headers(record.subject(), headers, record.payload.clone())
+        .publish_with_headers(failed_subject(facts.original_subject), map, payload)
         .await
         .map_err(|e| e.to_string())?
         .await
-        .map(|_| ())
-        .map_err(|e| e.to_string())
+        .map_err(|e| e.to_string())?;
+    Ok(ack.sequence)
 }
 
-/// Publishes the failed record of a delivery and, once the server has it, terminates the job.
-/// `job_id` is `None` when the payload could not be decoded.
-pub async fn fail(shared: &Shared, delivery: &Delivery, job_id: Option<&str>, reason: FailureReason, detail: &str) {
-    let record = Record {
-        payload: delivery.message.payload.clone(),
-        content_type: delivery.content_type(),
-        original_subject: delivery.subject(),
-        attempts: delivery.attempt,
-        job_id,
-        stream_sequence: delivery.stream_sequence,
+/// Removes a record written for a job that turned out to have a result after all (another
+/// worker committed while this one failed it), so nobody replays a finished job.
+pub async fn withdraw(shared: &Shared, sequence: u64) {
+    let removed = match shared.js.get_stream(subject::FAILED_STREAM).await {
+        Ok(stream) => stream.delete_message(sequence).await.map(drop).map_err(|e| e.to_string()),
+        Err(e) => Err(e.to_string()),
     };
-    match publish(shared, &record, reason, detail).await {
-        Ok(()) => {
-            tracing::warn!(job = job_id.unwrap_or("?"), reason = reason.as_str(), detail, "job failed");
-            delivery.term().await;
-        }
-        Err(e) => {
-            // Without the record the job must not vanish: give it back.
-            tracing::error!(job = job_id.unwrap_or("?"), error = %e, "failed record not stored; naking");
-            delivery.nak(Some(std::time::Duration::from_secs(5))).await;
-        }
+    if let Err(e) = removed {
+        tracing::warn!(seq = sequence, error = %e, "could not withdraw a failed record of a job that has a result; replaying it finds the result and does nothing");
     }
 }
+
+/// A job to fail, whoever holds it: a worker settling its delivery, or the advisory rescue
+/// copying a message no worker answered for.
+pub(crate) struct Case<'a> {
+    pub payload: Bytes,
+    pub content_type: Option<&'a str>,
+    pub original_subject: &'a str,
+    pub stream_sequence: u64,
+    /// Deliveries the job had.
+    pub deliveries: u64,
+    pub queued: std::time::Duration,
+    /// `None` when the payload could not be decoded.
+    pub job: Option<&'a ShotJob>,
+    /// The sequence of the job's last outcome (0: none): the claim expects it.
+    pub last_outcome: u64,
+}
+
+/// What failing a job came to.
+pub(crate) enum Recorded {
+    /// The failed record is stored, and the job's `failed` outcome too when its ids name a
+    /// result subject; its objects are swept.
+    Failed,
+    /// Another worker settled the job meanwhile: its outcome stands (and a record of ours that
+    /// would let a finished or cancelled job be replayed is withdrawn).
+    SettledBy(Box<ShotResult>),
+    /// The record or the outcome could not be written: the job must be kept.
+    NotStored(String),
+}
+
+/// Fails a job: the failed record first (the payload is then safe for a replay), then the
+/// `failed` outcome claimed on the job's result subject, then the sweep of its objects.
+pub(crate) async fn record(shared: &Shared, case: &Case<'_>, reason: FailureReason, detail: &str, attempts: u64) -> Recorded {
+    let facts = RecordFacts {
+        reason,
+        detail,
+        original_subject: case.original_subject,
+        attempts,
+        deliveries: case.deliveries,
+        worker: &shared.config.worker_id,
+        job_id: case.job.map(|j| j.job_id.as_str()),
+        content_type: case.content_type,
+        stream_sequence: case.stream_sequence,
+    };
+    let record = match publish(shared, case.payload.clone(), &facts).await {
+        Ok(sequence) => sequence,
+        Err(e) => return Recorded::NotStored(format!("failed record not stored: {e}")),
+    };
+    let Some(job) = case.job.filter(|job| commit::names_a_subject(job)) else {
+        return Recorded::Failed;
+    };
+    let failure = Failure { reason: Some(reason), detail: one_line(detail, OUTCOME_DETAIL), attempts };
+    let outcome = commit::outcome_of(shared, job, case.deliveries, case.queued, ResultStatus::Failed, Some(failure));
+    match commit::claim(shared, &outcome, case.last_outcome, case.stream_sequence).await {
+        Ok(Claim::Ours) => {
+            if let Err(e) = commit::sweep(shared, &job.project, &job.job_id, &[]).await {
+                tracing::warn!(job = %job.job_id, error = %e, "could not sweep a failed job's objects");
+            }
+            Recorded::Failed
+        }
+        Ok(Claim::Theirs(theirs)) => {
+            if theirs.result.status != ResultStatus::Failed {
+                withdraw(shared, record).await;
+            }
+            Recorded::SettledBy(Box::new(theirs.result))
+        }
+        Err(e) => Recorded::NotStored(format!("failed record stored but the outcome not: {e}")),
+    }
+}
+
+/// The longest detail a `failed` outcome carries, bytes (the failed record keeps a longer one),
+/// so the outcome fits wherever a result does.
+const OUTCOME_DETAIL: usize = 300;

@@ -49,11 +49,11 @@ impl Consumers {
         Ok(Self { render, auto })
     }
 
-    /// The consumer's `ack_wait` and `max_deliver` (all share the topology's).
-    pub async fn limits(&mut self) -> Result<(std::time::Duration, u64), String> {
+    /// The consumers' `ack_wait` (all share the topology's): keep-alives go well inside it.
+    pub async fn ack_wait(&mut self) -> Result<std::time::Duration, String> {
         let (_, consumer) = self.render.first_mut().ok_or("no consumers")?;
         let info = consumer.info().await.map_err(|e| e.to_string())?;
-        Ok((info.config.ack_wait, info.config.max_deliver.max(1) as u64))
+        Ok(info.config.ack_wait)
     }
 
     /// Up to `slots` jobs that fit `admission`, polled in the scheduler's order.

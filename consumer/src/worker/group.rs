@@ -11,14 +11,15 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use shotfleet_schema::ShotJob;
-use shotfleet_schema::subject::SubjectClass;
 use tracing::{info, warn};
 
 use crate::pipeline::{CancelHandle, RenderControl, RenderRequest};
 use crate::telemetry;
-use crate::worker::delivery::Delivery;
-use crate::worker::job::{self, commit_output, keep_alive, render_and_commit, render_request, stop_at};
 use crate::worker::Shared;
+use crate::worker::delivery::Delivery;
+use crate::worker::job::{self, Next, Taken, commit_output, render_and_commit};
+use crate::worker::render::{render_request, stop_at};
+use crate::worker::settle::settle;
 
 /// Jobs that can share UNet batches: one schedule, one guidance scale, one image size.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -36,45 +37,50 @@ impl Compatible {
 }
 
 /// Handles deliveries fetched together: each to the end, compatible ones rendered as one group.
+/// Every member is kept alive from the moment it is taken until it is settled, also while it
+/// waits for the others.
 pub async fn handle(shared: Arc<Shared>, deliveries: Vec<Delivery>) {
     let _in_flight: Vec<_> = deliveries.iter().map(|_| telemetry::in_flight()).collect();
-    let mut groups: BTreeMap<Compatible, Vec<(Delivery, ShotJob)>> = BTreeMap::new();
+    let mut groups: BTreeMap<Compatible, Vec<Taken>> = BTreeMap::new();
     for delivery in deliveries {
-        if let Some(job) = job::take(&shared, &delivery).await {
-            groups.entry(Compatible::of(&job)).or_default().push((delivery, job));
+        let (taken, next) = job::take(&shared, delivery).await;
+        match next {
+            Next::Render => groups.entry(Compatible::of(taken.job())).or_default().push(taken),
+            Next::Settle(handled) => {
+                settle(&shared, &taken.held(), handled).await;
+            }
         }
     }
     for members in groups.into_values() {
         if members.len() == 1 || !render_together(&shared, &members).await {
-            for (delivery, job) in &members {
-                let outcome = render_and_commit(&shared, delivery, job).await;
-                telemetry::job_finished(outcome, delivery.origin.priority, SubjectClass::Class(job.class()));
+            for taken in &members {
+                let handled = render_and_commit(&shared, taken).await;
+                settle(&shared, &taken.held(), handled).await;
             }
         }
     }
 }
 
-/// Renders the members in shared batches and commits each. `false` when nothing was rendered
-/// (no room for the group, or the shared render failed): the caller renders them one by one.
-async fn render_together(shared: &Arc<Shared>, members: &[(Delivery, ShotJob)]) -> bool {
-    let first = &members[0].1;
-    let images: u32 = members.iter().map(|(_, job)| job.images).sum();
+/// Renders the members in shared batches and commits and settles each. `false` when nothing
+/// was rendered (no room for the group, or the shared render failed): the caller renders them
+/// one by one.
+async fn render_together(shared: &Arc<Shared>, members: &[Taken]) -> bool {
+    let first = members[0].job();
+    let images: u32 = members.iter().map(|taken| taken.job().images).sum();
     let Ok(Some(reservation)) = shared.budget.reserve(first.width, first.height, images) else {
         return false;
     };
-    let requests: Vec<RenderRequest> = members.iter().map(|(_, job)| render_request(job, images)).collect();
+    let requests: Vec<RenderRequest> = members.iter().map(|taken| render_request(taken.job(), images)).collect();
     let control = RenderControl { cancel: CancelHandle::new(), ..RenderControl::default() };
     let timed_out = Arc::new(AtomicBool::new(false));
-    let stopper = stop_at(shared, Instant::now() + shared.config.job_time_limit.0, &control.cancel, &timed_out);
-    let keepers: Vec<_> = members.iter().map(|(delivery, _)| keep_alive(shared, delivery)).collect();
+    let stopper = stop_at(shared, Instant::now() + shared.config.job_time_limit, &control.cancel, &timed_out);
     let pipeline = shared.pipeline();
     let started = Instant::now();
     let rendered = tokio::task::spawn_blocking(move || {
         pipeline.render_group(&requests, &control, &mut |_| std::ops::ControlFlow::Continue(()))
     })
     .await;
-    stopper.abort();
-    keepers.iter().for_each(|k| k.abort());
+    drop(stopper);
     drop(reservation);
     let outputs = match rendered {
         Ok(Ok(outputs)) => outputs,
@@ -86,9 +92,9 @@ async fn render_together(shared: &Arc<Shared>, members: &[(Delivery, ShotJob)]) 
     };
     let elapsed = started.elapsed();
     info!(jobs = members.len(), images, width = first.width, height = first.height, elapsed_ms = elapsed.as_millis() as u64, "rendered a group");
-    for ((delivery, job), output) in members.iter().zip(outputs) {
-        let outcome = commit_output(shared, delivery, job, output, elapsed).await;
-        telemetry::job_finished(outcome, delivery.origin.priority, SubjectClass::Class(job.class()));
+    for (taken, output) in members.iter().zip(outputs) {
+        let handled = commit_output(shared, taken, output, elapsed).await;
+        settle(shared, &taken.held(), handled).await;
     }
     true
 }

@@ -40,7 +40,7 @@ impl LeakGuard {
     pub async fn check(&mut self, shared: &Arc<Shared>) -> Result<(), WorkerError> {
         let config = shared.config.leak_guard;
         let aged = config.rebuild_after_jobs > 0 && self.jobs >= config.rebuild_after_jobs;
-        if !aged && (config.max_idle_growth_mib == 0 || self.last_check.elapsed() < config.check_every.0) {
+        if !aged && (config.max_idle_growth_mib == 0 || self.last_check.elapsed() < config.check_every) {
             return Ok(());
         }
         self.last_check = std::time::Instant::now();

@@ -8,11 +8,16 @@
 //!
 //! - [`startup`]: load, calibrate, fitness render;
 //! - [`fetch`]: which consumers, how many jobs, in which order ([`priority`]);
-//! - [`job`]: one job's steps; [`commit`]: the result as the commit point;
-//! - [`route`]: `auto` and wrong-class jobs; [`failed`]: failed records;
-//! - [`delivery`]: a fetched message and its acks.
+//! - [`job`]: one job's steps: take, [`render`] (with the in-place ladder and the time limit),
+//!   upload and [`commit`] (the outcome as the commit point), then [`settle`], the one place
+//!   that decides ack, nak, term, degrade ([`degrade`]) or stopping the worker;
+//! - [`group`]: compatible jobs rendered in shared batches;
+//! - [`route`]: `auto` and wrong-class jobs; [`failed`]: failed records; [`advisory`]: jobs
+//!   that died on their last delivery; [`attempts`]: failed attempts per job message;
+//! - [`delivery`]: a fetched message, its acks and its keep-alive.
 
 pub mod advisory;
+pub mod attempts;
 pub mod check;
 pub mod commit;
 pub mod degrade;
@@ -23,7 +28,9 @@ pub mod group;
 pub mod job;
 pub mod leak;
 pub mod priority;
+pub mod render;
 pub mod route;
+pub mod settle;
 pub mod startup;
 
 use std::future::Future;
@@ -54,15 +61,20 @@ pub enum WorkerError {
     /// Memory crept up and survived a session rebuild; restart the process (`EXIT_RESTART`).
     #[error("restart needed: {0}")]
     Restart(String),
+    /// The object store refuses for good; fix it, then restart (`EXIT_STORE`).
+    #[error("the object store is unusable: {0}")]
+    StoreUnusable(String),
 }
 
 impl WorkerError {
     /// The exit code for the supervisor.
     pub fn exit_code(&self) -> i32 {
+        use crate::failure::{EXIT_DRIVER_FAULT, EXIT_RESTART, EXIT_START, EXIT_STORE};
         match self {
-            Self::Start { .. } => 3,
-            Self::DriverFault(_) => crate::failure::EXIT_DRIVER_FAULT,
-            Self::Restart(_) => crate::failure::EXIT_RESTART,
+            Self::Start { .. } => EXIT_START,
+            Self::DriverFault(_) => EXIT_DRIVER_FAULT,
+            Self::Restart(_) => EXIT_RESTART,
+            Self::StoreUnusable(_) => EXIT_STORE,
         }
     }
 }
@@ -79,6 +91,10 @@ pub struct Shared {
     pub js: jetstream::Context,
     pub results: jetstream::stream::Stream,
     pub store: Store,
+    /// Failed attempts per job message.
+    pub attempts: attempts::Attempts,
+    /// What `/readyz` says.
+    pub health: Health,
     pub budget: Budget,
     pub probe: Arc<dyn crate::budget::GpuProbe>,
     /// Measures each render's peak for the budget to learn from (one at a time: with
@@ -92,8 +108,6 @@ pub struct Shared {
     pub device_name: String,
     /// How often a job in progress sends `AckKind::Progress`.
     pub progress_interval: Duration,
-    /// The consumers' `max_deliver`: the attempt at which a failing job goes to the failed stream.
-    pub max_deliver: u64,
     /// Cancelled when the grace period is over: renders stop and their jobs are naked.
     pub abort: CancellationToken,
     /// Cancelled to stop fetching: shutdown, a driver fault, a restart.
@@ -125,6 +139,12 @@ impl Shared {
         }
     }
 
+    /// How often a held job tells the server it is alive; `None` while fault injection stalls
+    /// publishes (the server must then redeliver).
+    pub fn keep_alive_interval(&self) -> Option<Duration> {
+        self.config.faults.stall().is_none().then_some(self.progress_interval)
+    }
+
     fn put_pipeline(&self, pipeline: Pipeline) {
         *self.pipeline.write().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(Arc::new(pipeline));
     }
@@ -150,6 +170,16 @@ impl Shared {
             warn!(error = %e, "could not publish the fault event");
         }
         let _ = client.flush().await;
+    }
+
+    /// The object store refuses for good: stop fetching, give every job back at once (they are
+    /// fine; a healthy worker renders them), say why on `/readyz`, exit with `EXIT_STORE`.
+    pub async fn store_unusable(&self, detail: &str) {
+        tracing::error!(detail, "the object store refuses for good: stopping this worker");
+        self.health.set_not_ready(format!("object store unusable: {detail}"));
+        self.set_exit(WorkerError::StoreUnusable(detail.to_owned()));
+        self.stop.cancel();
+        self.abort.cancel();
     }
 
     fn set_exit(&self, error: WorkerError) {
@@ -215,19 +245,22 @@ pub async fn run(
     let advisories = advisory::subscribe(&client).await.map_err(|e| WorkerError::start("listen for max-delivery advisories", e))?;
     let mut consumers =
         fetch::Consumers::bind(&jobs_stream, &config.classes).await.map_err(|e| WorkerError::start("bind consumers", e))?;
-    let (ack_wait, max_deliver) = consumers.limits().await.map_err(|e| WorkerError::start("read consumer limits", e))?;
+    let ack_wait = consumers.ack_wait().await.map_err(|e| WorkerError::start("read consumer limits", e))?;
+    let attempts = attempts::Attempts::open(&js).await.map_err(|e| WorkerError::start("open the attempts bucket", e))?;
     let store = Store::connect(&config.store, env).await.map_err(|e| WorkerError::start("open the object store", e))?;
 
     health.set_not_ready("loading models and calibrating");
     let ready = startup::prepare(&config).await.inspect_err(|e| health.set_not_ready(e.to_string()))?;
     let device_name = ready.probe.snapshot().map(|s| s.device).unwrap_or_else(|_| "unknown".into());
-    let progress_interval = config.progress_interval.map(|s| s.0).unwrap_or(ack_wait / 3).max(Duration::from_millis(100));
+    let progress_interval = config.progress_interval.unwrap_or(ack_wait / 3).max(Duration::from_millis(100));
     let meter = (config.concurrency == 1).then_some(ready.meter);
     let shared = Arc::new(Shared {
         config,
         js,
         results,
         store,
+        attempts,
+        health: health.clone(),
         budget: ready.budget,
         probe: ready.probe,
         meter,
@@ -235,7 +268,6 @@ pub async fn run(
         renders: std::sync::atomic::AtomicU32::new(0),
         device_name,
         progress_interval,
-        max_deliver,
         abort: CancellationToken::new(),
         stop: stop.clone(),
         exit: std::sync::Mutex::new(None),
@@ -255,13 +287,9 @@ pub async fn run(
     // Shutdown: no more fetching; in-flight jobs get the grace period, then are cancelled.
     health.set_draining();
     tracker.close();
-    let grace = shared.config.grace_period.0;
+    let grace = shared.config.grace_period;
     info!(in_flight = tracker.len(), grace_s = grace.as_secs_f64(), "stopping: finishing in-flight jobs");
-    if tokio::time::timeout(grace, tracker.wait()).await.is_err() {
-        warn!(in_flight = tracker.len(), "grace period over: cancelling and naking the rest");
-        shared.abort.cancel();
-        tracker.wait().await;
-    }
+    finish_in_flight(&tracker, grace, &shared.abort).await;
     watching.store(true, std::sync::atomic::Ordering::Relaxed);
     // async-nats's `drain` only queues the drain and returns; the process may exit before its
     // buffer is written. Flush first, so the naks of the jobs cancelled above (and every result
@@ -289,103 +317,168 @@ pub async fn run(
     }
 }
 
-/// The loop: admit, fetch, hand out; sleep a little when there is nothing to do.
+/// The loop: route, check for leaks while idle, admit and fetch, hand out; wait a little when
+/// there was nothing to do.
 async fn fetch_loop(shared: &Arc<Shared>, consumers: &fetch::Consumers, tracker: &TaskTracker, guard: &mut leak::LeakGuard) {
-    let stop = &shared.stop;
-    let slots = Arc::new(Semaphore::new(shared.config.concurrency));
-    let finished = Arc::new(Notify::new());
-    let mut scheduler = priority::Scheduler::new(&shared.config.priorities, Instant::now());
-    let base_idle = shared.config.idle_poll.0;
-    let mut idle = base_idle;
-    // Whether the arenas were shrunk since nothing last fitted: once per stall is enough.
-    let mut shrunk_for_room = false;
-
-    while !stop.is_cancelled() {
-        let mut worked = false;
-        for delivery in consumers.next_unrouted(16).await {
-            worked = true;
-            tracker.spawn(job::handle(shared.clone(), delivery));
-        }
-
-        let free = slots.available_permits();
-        if free == shared.config.concurrency
+    let mut fetching = Fetching {
+        shared,
+        consumers,
+        tracker,
+        slots: Arc::new(Semaphore::new(shared.config.concurrency)),
+        finished: Arc::new(Notify::new()),
+        scheduler: priority::Scheduler::new(&shared.config.priorities, Instant::now()),
+        idle: shared.config.idle_poll,
+        shrunk_for_room: false,
+    };
+    while !shared.stop.is_cancelled() {
+        let routed = fetching.route().await;
+        if fetching.all_slots_free()
             && let Err(error) = guard.check(shared).await
         {
             shared.set_exit(error);
-            stop.cancel();
+            shared.stop.cancel();
             break;
         }
-        if free > 0 {
-            export_budget(&shared.budget);
-            match shared.budget.admit(&shared.config.classes) {
-                Ok(admission) => {
-                    // Up to `batch_jobs` jobs per free slot: a slot renders one job, or one group
-                    // of compatible jobs in shared batches.
-                    let per_slot = shared.config.batch_jobs.max(1);
-                    let deliveries = if admission.classes().is_empty() {
-                        Vec::new()
-                    } else {
-                        consumers.next_jobs(&admission, free * per_slot, &mut scheduler).await
-                    };
-                    let fetched_none = deliveries.is_empty();
-                    let mut deliveries = deliveries.into_iter().peekable();
-                    while deliveries.peek().is_some() {
-                        let batch: Vec<_> = deliveries.by_ref().take(per_slot).collect();
-                        worked = true;
-                        shrunk_for_room = false;
-                        let permit = slots.clone().try_acquire_owned().expect("a slot was counted free");
-                        let shared = shared.clone();
-                        let finished = finished.clone();
-                        batch.iter().for_each(|_| guard.job_started());
-                        tracker.spawn(async move {
-                            match <[_; 1]>::try_from(batch) {
-                                Ok([delivery]) => job::handle(shared, delivery).await,
-                                Err(batch) => group::handle(shared, batch).await,
-                            }
-                            drop(permit);
-                            finished.notify_one();
-                        });
-                    }
-                    let idle_worker = free == shared.config.concurrency;
-                    if fetched_none
-                        && idle_worker
-                        && !shrunk_for_room
-                        && shared.budget.shrinking_opens(&shared.config.classes).unwrap_or(true)
-                    {
-                        // Nothing runs, the classes that fit have nothing queued, and a class this
-                        // worker serves is kept out by arena cache of earlier renders, which the
-                        // room does not count as free (and which keeps the card above
-                        // `stop_fetch_at` on a crowded card). Give it back, then look again at
-                        // once. Before, the leak guard's idle shrink (every `check_every`)
-                        // unblocked such a worker: on the 2026-11-30 lease a minute per large
-                        // job, once the small ones were done.
-                        shrunk_for_room = true;
-                        info!(fitting = ?admission.classes(), "a class does not fit while idle; shrinking the arenas");
-                        shrink_arenas(shared).await;
-                        worked = true;
-                    }
-                }
-                Err(e) => {
-                    let driver = e.nvml_error().map(crate::failure::classify_nvml) == Some(crate::failure::ErrorKind::DriverFault);
-                    if driver {
-                        shared.driver_fault(None, &format!("NVML: {e}")).await;
-                        break;
-                    }
-                    warn!(error = %e, "cannot read the GPU; not fetching");
-                }
-            }
-        }
-
-        if worked {
-            idle = base_idle;
-            continue;
-        }
-        tokio::select! {
-            () = stop.cancelled() => break,
-            () = finished.notified() => {}
-            () = tokio::time::sleep(idle) => idle = (idle * 2).min(base_idle * 10),
+        let started = match fetching.admit_and_start(guard).await {
+            Ok(started) => started,
+            Err(Stop) => break,
+        };
+        if routed || started {
+            fetching.idle = shared.config.idle_poll;
+        } else if fetching.wait().await.is_err() {
+            break;
         }
     }
+}
+
+/// The worker must stop fetching (a driver fault).
+struct Stop;
+
+/// What the fetch loop keeps between rounds.
+struct Fetching<'a> {
+    shared: &'a Arc<Shared>,
+    consumers: &'a fetch::Consumers,
+    tracker: &'a TaskTracker,
+    /// One permit per job (or group) rendering at once.
+    slots: Arc<Semaphore>,
+    /// Notified when a slot is given back.
+    finished: Arc<Notify>,
+    scheduler: priority::Scheduler,
+    /// How long to wait when there was nothing to do: doubles up to ten times `idle_poll`.
+    idle: Duration,
+    /// Whether the arenas were shrunk since nothing last fitted: once per stall is enough.
+    shrunk_for_room: bool,
+}
+
+impl Fetching<'_> {
+    fn all_slots_free(&self) -> bool {
+        self.slots.available_permits() == self.shared.config.concurrency
+    }
+
+    /// Hands jobs waiting on `auto` subjects to tasks of their own (routing needs no budget and
+    /// no slot). Whether there were any.
+    async fn route(&self) -> bool {
+        let deliveries = self.consumers.next_unrouted(16).await;
+        let any = !deliveries.is_empty();
+        for delivery in deliveries {
+            self.tracker.spawn(job::handle(self.shared.clone(), delivery));
+        }
+        any
+    }
+
+    /// Asks the budget what fits, fetches that much in priority order and starts it; shrinks
+    /// the arenas once when an idle worker is kept out by its own arena cache. Whether anything
+    /// started (or was shrunk: look again at once).
+    async fn admit_and_start(&mut self, guard: &mut leak::LeakGuard) -> Result<bool, Stop> {
+        let shared = self.shared;
+        let free = self.slots.available_permits();
+        if free == 0 {
+            return Ok(false);
+        }
+        export_budget(&shared.budget);
+        let admission = match shared.budget.admit(&shared.config.classes) {
+            Ok(admission) => admission,
+            Err(e) => {
+                if e.nvml_error().map(crate::failure::classify_nvml) == Some(crate::failure::ErrorKind::DriverFault) {
+                    shared.driver_fault(None, &format!("NVML: {e}")).await;
+                    return Err(Stop);
+                }
+                warn!(error = %e, "cannot read the GPU; not fetching");
+                return Ok(false);
+            }
+        };
+        // Up to `batch_jobs` jobs per free slot: a slot renders one job, or one group of
+        // compatible jobs in shared batches.
+        let per_slot = shared.config.batch_jobs.max(1);
+        let deliveries = if admission.classes().is_empty() {
+            Vec::new()
+        } else {
+            self.consumers.next_jobs(&admission, free * per_slot, &mut self.scheduler).await
+        };
+        if deliveries.is_empty() {
+            return Ok(self.shrink_if_kept_out(&admission, free).await);
+        }
+        self.shrunk_for_room = false;
+        let mut deliveries = deliveries.into_iter().peekable();
+        while deliveries.peek().is_some() {
+            let batch: Vec<_> = deliveries.by_ref().take(per_slot).collect();
+            batch.iter().for_each(|_| guard.job_started());
+            self.start(batch);
+        }
+        Ok(true)
+    }
+
+    /// Starts one job, or one group of jobs, in a slot of its own.
+    fn start(&self, batch: Vec<delivery::Delivery>) {
+        let permit = self.slots.clone().try_acquire_owned().expect("a slot was counted free");
+        let (shared, finished) = (self.shared.clone(), self.finished.clone());
+        self.tracker.spawn(async move {
+            match <[_; 1]>::try_from(batch) {
+                Ok([delivery]) => job::handle(shared, delivery).await,
+                Err(batch) => group::handle(shared, batch).await,
+            }
+            drop(permit);
+            finished.notify_one();
+        });
+    }
+
+    /// An idle worker that fetched nothing, whose own arena cache keeps a class it serves out
+    /// (the room does not count cache as free, and it keeps a crowded card above
+    /// `stop_fetch_at`), gives the cache back once and looks again at once. Whether it shrank.
+    async fn shrink_if_kept_out(&mut self, admission: &crate::budget::Admission, free: usize) -> bool {
+        let shared = self.shared;
+        let idle_worker = free == shared.config.concurrency;
+        if !idle_worker || self.shrunk_for_room || !shared.budget.shrinking_opens(&shared.config.classes).unwrap_or(true) {
+            return false;
+        }
+        self.shrunk_for_room = true;
+        info!(fitting = ?admission.classes(), "a class does not fit while idle; shrinking the arenas");
+        shrink_arenas(shared).await;
+        true
+    }
+
+    /// Waits for a slot to free up, the idle poll, or the stop; `Err` on the stop.
+    async fn wait(&mut self) -> Result<(), Stop> {
+        let base = self.shared.config.idle_poll;
+        tokio::select! {
+            () = self.shared.stop.cancelled() => return Err(Stop),
+            () = self.finished.notified() => {}
+            () = tokio::time::sleep(self.idle) => self.idle = (self.idle * 2).min(base * 10),
+        }
+        Ok(())
+    }
+}
+
+/// Lets the closed `tracker`'s jobs finish within `grace`, then cancels what is left (their
+/// renders stop and their jobs are given back) and waits for it. Whether it had to cancel.
+async fn finish_in_flight(tracker: &TaskTracker, grace: Duration, abort: &CancellationToken) -> bool {
+    if tokio::time::timeout(grace, tracker.wait()).await.is_ok() {
+        return false;
+    }
+    warn!(in_flight = tracker.len(), "grace period over: cancelling and naking the rest");
+    abort.cancel();
+    tracker.wait().await;
+    true
 }
 
 /// Gives the arenas' free regions back to the device (a one-step tiny render, see
@@ -426,5 +519,49 @@ fn export_budget(budget: &Budget) {
         if let Some(utilization) = status.utilization {
             telemetry::gpu_utilization(utilization);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A job that takes `took`, or stops early when the worker aborts.
+    fn job(tracker: &TaskTracker, abort: &CancellationToken, took: Duration) -> Arc<std::sync::atomic::AtomicBool> {
+        let finished = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (abort, done) = (abort.clone(), finished.clone());
+        tracker.spawn(async move {
+            tokio::select! {
+                () = tokio::time::sleep(took) => done.store(true, std::sync::atomic::Ordering::SeqCst),
+                () = abort.cancelled() => {}
+            }
+        });
+        finished
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn jobs_inside_the_grace_period_finish() {
+        let (tracker, abort) = (TaskTracker::new(), CancellationToken::new());
+        let finished = job(&tracker, &abort, Duration::from_secs(20));
+        tracker.close();
+        let started = tokio::time::Instant::now();
+        assert!(!finish_in_flight(&tracker, Duration::from_secs(60), &abort).await);
+        assert!(finished.load(std::sync::atomic::Ordering::SeqCst));
+        assert_eq!(started.elapsed(), Duration::from_secs(20));
+        assert!(!abort.is_cancelled());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn jobs_past_the_grace_period_are_cancelled_at_its_end() {
+        let (tracker, abort) = (TaskTracker::new(), CancellationToken::new());
+        let quick = job(&tracker, &abort, Duration::from_secs(5));
+        let long = job(&tracker, &abort, Duration::from_secs(600));
+        tracker.close();
+        let started = tokio::time::Instant::now();
+        assert!(finish_in_flight(&tracker, Duration::from_secs(60), &abort).await);
+        assert_eq!(started.elapsed(), Duration::from_secs(60), "cancelled when the grace period ends, not later");
+        assert!(quick.load(std::sync::atomic::Ordering::SeqCst));
+        assert!(!long.load(std::sync::atomic::Ordering::SeqCst));
+        assert!(abort.is_cancelled());
     }
 }

@@ -47,10 +47,9 @@ impl Scheduler {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::Span;
 
     fn scheduler(now: Instant) -> Scheduler {
-        let config = PriorityConfig { p1_max_wait: Span(Duration::from_secs(10)), p2_max_wait: Span(Duration::from_secs(30)) };
+        let config = PriorityConfig { p1_max_wait: Duration::from_secs(10), p2_max_wait: Duration::from_secs(30) };
         Scheduler::new(&config, now)
     }
 

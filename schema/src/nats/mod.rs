@@ -8,3 +8,17 @@ pub mod topology;
 
 pub use connect::{ConnectError, NatsOptions};
 pub use topology::{Topology, TopologyError, TopologyReport};
+
+/// A header map from `(name, value)` pairs, never panicking: async-nats panics on a value with
+/// a CR or LF, so a value that is not a valid header value (it never should be: build values
+/// with [`crate::failure::header_safe`] or from validated ids) is made safe first.
+pub fn header_map<'a>(pairs: impl IntoIterator<Item = (&'a str, &'a str)>) -> async_nats::HeaderMap {
+    let mut headers = async_nats::HeaderMap::new();
+    for (name, value) in pairs {
+        let value = value
+            .parse::<async_nats::HeaderValue>()
+            .unwrap_or_else(|_| crate::failure::header_safe(value).parse().expect("header_safe values are header values"));
+        headers.insert(name, value);
+    }
+    headers
+}

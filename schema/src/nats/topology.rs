@@ -2,9 +2,10 @@
 //!
 //! | stream | subjects | retention |
 //! | --- | --- | --- |
-//! | `SHOTS` | `shots.p0.>`, `shots.p1.>`, `shots.p2.>` | work queue, file, duplicate window |
+//! | `SHOTS` | `shots.<prio>.<class>.*`, one per render consumer | work queue, file, duplicate window, max age and bytes (a full queue refuses new jobs) |
 //! | `SHOT_RESULTS` | `shots.done.>` | limits, max age |
 //! | `SHOTS_FAILED` | `shots.failed.>` | limits, max age |
+//! | `KV_SHOT_ATTEMPTS` | `$KV.SHOT_ATTEMPTS.>`: the key-value bucket of failed attempts per job message | history 1, max age |
 //!
 //! and one durable pull consumer per (priority, class), `render-<prio>-<class>`, each with one
 //! filter subject (nats-server 2.9 silently ignores `filter_subjects`), `auto` included.
@@ -17,7 +18,6 @@ use std::time::Duration;
 use async_nats::jetstream::{self, consumer, stream};
 use serde::{Deserialize, Serialize};
 
-use crate::class::MemoryClass;
 use crate::subject::{self, Priority, SubjectClass};
 
 /// The tunable parts of the topology.
@@ -35,10 +35,22 @@ pub struct Topology {
     /// How long failed records are kept for replay.
     #[serde(with = "humantime_serde")]
     pub failed_max_age: Duration,
+    /// How long a queued job may wait before the server drops it.
+    #[serde(with = "humantime_serde")]
+    pub jobs_max_age: Duration,
+    /// The most the job queue may hold, bytes; when full, publishing a job is refused (the
+    /// producer is told) rather than an older job dropped.
+    pub jobs_max_bytes: i64,
+    /// How long a job message's failure count is remembered.
+    #[serde(with = "humantime_serde")]
+    pub attempts_max_age: Duration,
     /// A delivered job not acked (nor progressed) for this long is redelivered.
     #[serde(with = "humantime_serde")]
     pub ack_wait: Duration,
-    /// Deliveries before a job is given up on (then the failed stream takes it).
+    /// Deliveries before a job is given up on as `max_deliveries` (the rescue copies it to the
+    /// failed stream). Only a backstop for jobs that kill their worker: a job fails after the
+    /// workers' own count of failed attempts (`[attempts] max_failures`), and giving a job back
+    /// (no room, shutdown, a first out-of-memory) is not a failure, but it is a delivery.
     pub max_deliver: i64,
     /// Jobs in flight per consumer across the fleet.
     pub max_ack_pending: i64,
@@ -51,46 +63,25 @@ impl Default for Topology {
             duplicate_window: Duration::from_secs(20 * 60),
             results_max_age: Duration::from_secs(14 * 24 * 3600),
             failed_max_age: Duration::from_secs(30 * 24 * 3600),
+            jobs_max_age: Duration::from_secs(7 * 24 * 3600),
+            jobs_max_bytes: 1 << 30,
+            attempts_max_age: Duration::from_secs(24 * 3600),
             ack_wait: Duration::from_secs(60),
-            max_deliver: 5,
+            max_deliver: 20,
             max_ack_pending: 10_000,
         }
     }
 }
 
-/// A minimal serde adapter for durations as humantime strings (`"20m"`, `"14days"`).
-mod humantime_serde {
-    use std::time::Duration;
-
-    use serde::{Deserialize, Deserializer, Serializer};
-
-    pub fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_str(&format!("{}s", d.as_secs()))
-    }
-
-    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
-        let text = String::deserialize(d)?;
-        parse(&text).map_err(serde::de::Error::custom)
-    }
-
-    /// `90s`, `20m`, `2h`, `14d`, or plain seconds.
-    pub fn parse(text: &str) -> Result<Duration, String> {
-        let text = text.trim();
-        let split = text.find(|c: char| !c.is_ascii_digit()).unwrap_or(text.len());
-        let (number, unit) = text.split_at(split);
-        let n: u64 = number.parse().map_err(|_| format!("`{text}` is not a duration like 90s, 20m, 2h or 14d"))?;
-        let unit_secs = match unit.trim() {
-            "" | "s" => 1,
-            "m" => 60,
-            "h" => 3600,
-            "d" | "days" => 86_400,
-            other => return Err(format!("unknown duration unit `{other}` in `{text}`; use s, m, h or d")),
-        };
-        Ok(Duration::from_secs(n * unit_secs))
-    }
+/// Parses a duration as the topology's settings and the CLI write them: `90s`, `20m`, `2h`,
+/// `14d`, `250ms` (humantime's syntax).
+///
+/// # Errors
+/// A message with an example.
+pub fn parse_duration(text: &str) -> Result<Duration, String> {
+    humantime::parse_duration(text.trim()).map_err(|e| format!("`{text}` is not a duration like 90s, 20m, 2h or 14d: {e}"))
 }
 
-pub use humantime_serde::parse as parse_duration;
 
 /// Something in the server that does not match, or could not be done.
 #[derive(Debug, thiserror::Error)]
@@ -132,6 +123,9 @@ impl Topology {
         vec![
             stream::Config {
                 retention: stream::RetentionPolicy::WorkQueue,
+                max_age: self.jobs_max_age,
+                max_bytes: self.jobs_max_bytes,
+                discard: stream::DiscardPolicy::New,
                 ..base(subject::JOBS_STREAM, subject::jobs_stream_subjects(), "shotfleet jobs, by priority and memory class")
             },
             stream::Config {
@@ -142,13 +136,26 @@ impl Topology {
                 max_age: self.failed_max_age,
                 ..base(subject::FAILED_STREAM, subject::failed_stream_subjects(), "shotfleet failed jobs, replayable")
             },
+            // The key-value bucket of failed attempts, made as the KV conventions make one (what
+            // async-nats' `create_key_value` does, which cannot talk to nats-server 2.9).
+            stream::Config {
+                max_age: self.attempts_max_age,
+                max_messages_per_subject: 1,
+                discard: stream::DiscardPolicy::New,
+                allow_rollup: true,
+                deny_delete: true,
+                ..base(
+                    &format!("KV_{}", subject::ATTEMPTS_BUCKET),
+                    vec![format!("$KV.{}.>", subject::ATTEMPTS_BUCKET)],
+                    "shotfleet failed attempts and out-of-memory errors per job message",
+                )
+            },
         ]
     }
 
     /// The render consumers: one per (priority, class), `auto` included.
     pub fn consumers(&self) -> Vec<consumer::pull::Config> {
-        let classes = MemoryClass::ALL.into_iter().map(SubjectClass::Class).chain([SubjectClass::Auto]);
-        let classes: Vec<SubjectClass> = classes.collect();
+        let classes: Vec<SubjectClass> = subject::job_classes().collect();
         Priority::ALL
             .into_iter()
             .flat_map(|priority| classes.iter().map(move |class| (priority, *class)))
@@ -282,6 +289,10 @@ fn stream_differences(existing: &stream::Config, wanted: &stream::Config) -> Vec
     cmp("replicas", existing.num_replicas.max(1).to_string(), wanted.num_replicas.max(1).to_string());
     cmp("duplicate_window", format!("{:?}", existing.duplicate_window), format!("{:?}", wanted.duplicate_window));
     cmp("max_age", format!("{:?}", existing.max_age), format!("{:?}", wanted.max_age));
+    // The server reports "no limit" as -1 whatever was asked (0 or -1).
+    let limit = |bytes: i64| if bytes <= 0 { -1 } else { bytes };
+    cmp("max_bytes", limit(existing.max_bytes).to_string(), limit(wanted.max_bytes).to_string());
+    cmp("discard", format!("{:?}", existing.discard), format!("{:?}", wanted.discard));
     cmp("allow_direct", existing.allow_direct.to_string(), wanted.allow_direct.to_string());
     out
 }

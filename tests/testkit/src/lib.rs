@@ -14,6 +14,6 @@ pub mod process;
 pub mod proxy;
 pub mod s3;
 
-pub use nats::{Cluster, NatsServer, ServerBinary};
+pub use nats::{Cluster, NatsServer, ServerBinary, ServerOptions};
 pub use proxy::TcpProxy;
 pub use s3::S3Server;

@@ -1,9 +1,10 @@
 //! A TCP proxy that can take a service off the network and bring it back, while the service
-//! itself (and what it stores) stays up: an outage as clients see it.
+//! itself (and what it stores) stays up: an outage as clients see it. It can also slow the
+//! service down to a given rate, as a congested link would.
 
 use std::io::{Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::Duration;
@@ -15,6 +16,8 @@ pub struct TcpProxy {
     port: u16,
     target: String,
     up: Arc<AtomicBool>,
+    /// Bytes per second each direction of each connection may carry; 0: as fast as it goes.
+    rate: Arc<AtomicU64>,
     connections: Arc<Mutex<Vec<TcpStream>>>,
     listener: Option<(Arc<AtomicBool>, thread::JoinHandle<()>)>,
 }
@@ -25,6 +28,7 @@ impl TcpProxy {
             port: free_port(),
             target: target.trim_start_matches("http://").to_owned(),
             up: Arc::new(AtomicBool::new(false)),
+            rate: Arc::new(AtomicU64::new(0)),
             connections: Arc::new(Mutex::new(Vec::new())),
             listener: None,
         };
@@ -55,6 +59,12 @@ impl TcpProxy {
         }
     }
 
+    /// Limits each direction of every connection, open or new, to `bytes_per_second` (`None`:
+    /// no limit).
+    pub fn throttle(&self, bytes_per_second: Option<u64>) {
+        self.rate.store(bytes_per_second.unwrap_or(0), Ordering::SeqCst);
+    }
+
     /// Listens again on the same port.
     pub fn up(&mut self) {
         if self.listener.is_some() {
@@ -68,7 +78,8 @@ impl TcpProxy {
         };
         self.up.store(true, Ordering::SeqCst);
         let stop = Arc::new(AtomicBool::new(false));
-        let (stop_flag, target, connections) = (stop.clone(), self.target.clone(), self.connections.clone());
+        let (stop_flag, target, connections, rate) =
+            (stop.clone(), self.target.clone(), self.connections.clone(), self.rate.clone());
         let handle = thread::spawn(move || {
             for client in listener.incoming() {
                 if stop_flag.load(Ordering::SeqCst) {
@@ -80,23 +91,29 @@ impl TcpProxy {
                 all.push(client.try_clone().unwrap());
                 all.push(server.try_clone().unwrap());
                 drop(all);
-                pipe(client.try_clone().unwrap(), server.try_clone().unwrap());
-                pipe(server, client);
+                pipe(client.try_clone().unwrap(), server.try_clone().unwrap(), rate.clone());
+                pipe(server, client, rate.clone());
             }
         });
         self.listener = Some((stop, handle));
     }
 }
 
-fn pipe(mut from: TcpStream, mut to: TcpStream) {
+fn pipe(mut from: TcpStream, mut to: TcpStream, rate: Arc<AtomicU64>) {
     thread::spawn(move || {
         let mut buf = [0u8; 16 * 1024];
         loop {
-            match from.read(&mut buf) {
+            let limit = rate.load(Ordering::SeqCst);
+            // Throttled: small reads, each followed by the time it would take at the rate.
+            let chunk = if limit == 0 { buf.len() } else { 1024 };
+            match from.read(&mut buf[..chunk]) {
                 Ok(0) | Err(_) => break,
                 Ok(n) => {
                     if to.write_all(&buf[..n]).is_err() {
                         break;
+                    }
+                    if limit > 0 {
+                        thread::sleep(Duration::from_secs_f64(n as f64 / limit as f64));
                     }
                 }
             }

@@ -55,15 +55,27 @@ impl S3Server {
     /// Creates a bucket with a bare `PUT /<bucket>`: object_store cannot create buckets, and
     /// moto accepts unsigned requests.
     pub fn create_bucket(&self, bucket: &str) {
+        let response = self.request("PUT", &format!("/{bucket}"));
+        assert!(response.starts_with("HTTP/1.1 200"), "create bucket {bucket}: {response}");
+    }
+
+    /// Deletes every bucket with its objects (moto's reset), as an operator removing the bucket
+    /// under running workers would.
+    pub fn delete_all_buckets(&self) {
+        let response = self.request("POST", "/moto-api/reset");
+        assert!(response.starts_with("HTTP/1.1 200"), "reset moto: {response}");
+    }
+
+    fn request(&self, method: &str, path: &str) -> String {
         use std::io::{Read, Write};
         let address = format!("127.0.0.1:{}", self.port);
         let mut stream = std::net::TcpStream::connect(&address).expect("connect to moto");
         stream.set_read_timeout(Some(Duration::from_secs(30))).expect("timeout");
-        write!(stream, "PUT /{bucket} HTTP/1.1\r\nHost: {address}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+        write!(stream, "{method} {path} HTTP/1.1\r\nHost: {address}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
             .expect("send");
         let mut response = String::new();
         stream.read_to_string(&mut response).expect("read");
-        assert!(response.starts_with("HTTP/1.1 200"), "create bucket {bucket}: {response}");
+        response
     }
 
     /// Credentials moto accepts; any values work, the tests use these.

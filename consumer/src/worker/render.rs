@@ -1,0 +1,255 @@
+//! Rendering one job: plan the largest sub-batch the budget holds, render off the async threads
+//! under the job's time limit, and on out-of-memory step down in place (smaller UNet batches
+//! down to one image, then a tiled VAE decode: the same images, one job, one result). What
+//! cannot be rendered here comes back as a [`JobError`] for `settle`.
+
+use std::ops::ControlFlow;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use shotfleet_schema::ShotJob;
+use shotfleet_schema::subject::SubjectClass;
+use tracing::{info, warn};
+
+use crate::budget::{MIB, Measured, Reservation, Shape};
+use crate::failure::{ErrorKind, JobError, classify_render};
+use crate::pipeline::{CancelHandle, RenderControl, RenderError, RenderOutput, RenderRequest, RenderedImage, Stage, VaeDecode};
+use crate::telemetry;
+use crate::worker::delivery::Delivery;
+use crate::worker::{Shared, shrink_arenas};
+
+/// How long a job with no room here waits before it is offered again.
+const NO_ROOM_DELAY: Duration = Duration::from_millis(500);
+/// How long a job waits after its first out-of-memory: long enough for another worker's pull.
+const FIRST_OOM_DELAY: Duration = Duration::from_secs(1);
+
+/// A finished render and how long it took.
+pub struct Rendered {
+    pub output: RenderOutput,
+    pub elapsed: Duration,
+}
+
+/// How one render attempt uses memory: the in-place rungs of the degrade ladder.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Attempt {
+    /// Images per UNet sub-batch.
+    batch: u32,
+    vae: VaeDecode,
+}
+
+/// Renders the job, stepping down in place on out-of-memory.
+///
+/// # Errors
+/// A [`JobError`]: no room now or a first out-of-memory (give back), out of memory one image
+/// at a time with a tiled VAE (degrade), the time limit, the worker stopping, or the render's
+/// own error by its kind.
+pub async fn render_job(shared: &Arc<Shared>, delivery: &Delivery, job: &ShotJob) -> Result<Rendered, JobError> {
+    let Some((batch, mut reservation)) = plan(shared, job) else {
+        return Err(JobError::give_back(NO_ROOM_DELAY, "no room for this job now"));
+    };
+    let mut attempt = Attempt { batch, vae: VaeDecode::Whole };
+    let deadline = Instant::now() + shared.config.job_time_limit;
+    loop {
+        let (error, stage) = match render_once(shared, job, attempt, reservation, deadline).await {
+            Ok(rendered) => return Ok(rendered),
+            Err((error, stage)) if error.kind == ErrorKind::Oom => (error, stage),
+            Err((error, _)) => return Err(error),
+        };
+        // Out of memory: learn, give memory back, then decide.
+        let planned = shared.budget.observe_oom(job.width, job.height, attempt.batch);
+        telemetry::out_of_memory();
+        shrink_arenas(shared).await;
+        warn!(job = %job.job_id, batch = attempt.batch, vae = ?attempt.vae, planned_now = planned, detail = %error, "out of memory");
+        if first_out_of_memory(shared, delivery, job).await && attempt.batch == batch && attempt.vae == VaeDecode::Whole {
+            return Err(JobError::give_back(FIRST_OOM_DELAY, format!("out of memory on {}; offered to the fleet once at full size", shared.config.worker_id)));
+        }
+        let Some(next) = next_in_place(job, attempt, stage) else {
+            return Err(error);
+        };
+        attempt = next;
+        reservation = match shared.budget.reserve(job.width, job.height, attempt.batch) {
+            Ok(Some(reservation)) => reservation,
+            _ => return Err(JobError::give_back(FIRST_OOM_DELAY, "no room for a smaller batch now")),
+        };
+        info!(job = %job.job_id, batch = attempt.batch, vae = ?attempt.vae, "degrading in place");
+    }
+}
+
+/// Whether this is the job message's first out-of-memory anywhere in the fleet (counted in the
+/// attempts bucket; without it, whether this is its first delivery).
+async fn first_out_of_memory(shared: &Shared, delivery: &Delivery, job: &ShotJob) -> bool {
+    match shared.attempts.out_of_memory(delivery, &job.job_id).await {
+        Ok(counts) => counts.ooms == 1,
+        Err(e) => {
+            warn!(job = %job.job_id, error = %e, "cannot count the out-of-memory; going by the delivery count");
+            delivery.attempt == 1
+        }
+    }
+}
+
+fn plan(shared: &Shared, job: &ShotJob) -> Option<(u32, Reservation)> {
+    let batch = shared.budget.largest_batch(job.width, job.height, job.images).ok()?;
+    if batch == 0 {
+        return None;
+    }
+    let reservation = shared.budget.reserve(job.width, job.height, batch).ok()??;
+    Some((batch, reservation))
+}
+
+/// The next in-place rung: half the UNet batch, down to one image; then, when the decoder is
+/// what ran out, a tiled VAE decode (it cannot help a UNet that does not fit).
+fn next_in_place(job: &ShotJob, attempt: Attempt, failed_at: Option<Stage>) -> Option<Attempt> {
+    if attempt.batch > 1 {
+        return Some(Attempt { batch: attempt.batch / 2, ..attempt });
+    }
+    if failed_at != Some(Stage::Vae) {
+        return None;
+    }
+    // Tiles of about half the longer side (multiples of 64, 128..=1024); an image no larger than
+    // one tile would decode whole, so a tile must be smaller than the image to help.
+    let tile = (job.width.max(job.height) / 2 / 64 * 64).clamp(128, 1024);
+    let tiled = VaeDecode::tiled(tile);
+    (attempt.vae == VaeDecode::Whole && tile < job.width.max(job.height)).then_some(Attempt { vae: tiled, ..attempt })
+}
+
+/// One render of the whole job at `attempt`'s sizes, off the async threads, stopped at
+/// `deadline` or when the worker aborts. An error comes with the stage it came from.
+async fn render_once(
+    shared: &Arc<Shared>,
+    job: &ShotJob,
+    attempt: Attempt,
+    reservation: Reservation,
+    deadline: Instant,
+) -> Result<Rendered, (JobError, Option<Stage>)> {
+    let request = render_request(job, attempt.batch);
+    let started = Instant::now();
+    let render_number = shared.renders.fetch_add(1, Ordering::Relaxed) + 1;
+    if let Some(text) = shared.config.faults.driver_fault(render_number) {
+        warn!(job = %job.job_id, "fault injection: this render fails as a driver fault");
+        let source = ort::Error::new(text);
+        return Err((kind_of(&RenderError::Runtime { stage: Stage::Unet, source }), Some(Stage::Unet)));
+    }
+    if shared.config.faults.noop_render {
+        return Ok(Rendered { output: placeholder(job), elapsed: started.elapsed() });
+    }
+    let control = RenderControl { vae_decode: attempt.vae, cancel: CancelHandle::new() };
+    let timed_out = Arc::new(AtomicBool::new(false));
+    let _stopper = stop_at(shared, deadline, &control.cancel, &timed_out);
+    let pipeline = shared.pipeline();
+    let meter = shared.meter.clone();
+    let outcome = tokio::task::spawn_blocking(move || {
+        let render = || pipeline.render_with(&request, &control, &mut |_| ControlFlow::Continue(()));
+        match meter {
+            Some(meter) => {
+                let (result, peak) = meter.measure(render);
+                (result, peak.ok())
+            }
+            None => (render(), None),
+        }
+    })
+    .await;
+    let elapsed = started.elapsed();
+    let (result, peak) = outcome.map_err(|e| (JobError::transient(format!("render task failed: {e}")), None))?;
+    if let (Ok(_), Some(measured)) = (&result, peak) {
+        learn(shared, job, reservation.shape(), measured);
+    }
+    drop(reservation);
+    telemetry::render_time(SubjectClass::Class(job.class()), elapsed);
+    match result {
+        Ok(output) => Ok(Rendered { output, elapsed }),
+        Err(error) => Err((stopped(&error, timed_out.load(Ordering::Relaxed), elapsed), error.stage())),
+    }
+}
+
+/// Fault injection's skipped render: the job's images as placeholders.
+fn placeholder(job: &ShotJob) -> RenderOutput {
+    let images = (0..job.images)
+        .map(|index| RenderedImage { index, seed: job.seed, width: 1, height: 1, png: crate::faults::PLACEHOLDER_PNG.to_vec() })
+        .collect();
+    RenderOutput { images, timings: Default::default() }
+}
+
+/// A render error as a job error: stopped from outside (the time limit, the worker stopping)
+/// or by its own kind.
+pub(crate) fn stopped(error: &RenderError, timed_out: bool, elapsed: Duration) -> JobError {
+    match error {
+        RenderError::Cancelled { .. } | RenderError::Terminated { .. } if timed_out => JobError::new(
+            ErrorKind::Timeout,
+            format!("render stopped at the time limit after {:.1}s", elapsed.as_secs_f64()),
+        ),
+        RenderError::Cancelled { .. } | RenderError::Terminated { .. } => {
+            JobError::give_back(Duration::ZERO, "the worker is stopping: giving the job back now")
+        }
+        other => kind_of(other),
+    }
+}
+
+/// A render's own error by its kind.
+fn kind_of(error: &RenderError) -> JobError {
+    let kind = classify_render(error);
+    let detail = match kind {
+        ErrorKind::Invalid => format!("this model cannot render it: {error}"),
+        _ => error.to_string(),
+    };
+    JobError::new(kind, detail)
+}
+
+/// Learns from a render's measured peak where it is the render's own: one that started from
+/// arenas an earlier, larger render left full reads their cache too, which says nothing about
+/// this shape (and would plan every later job at the largest size seen).
+fn learn(shared: &Shared, job: &ShotJob, shape: Shape, measured: Measured) {
+    let planned = shared.budget.planned(shape.width, shape.height, shape.images);
+    let cold = measured.cold();
+    telemetry::estimate_error(planned, measured.peak, cold);
+    let error = cold.then(|| shared.budget.observe(shape.width, shape.height, shape.images, measured.peak));
+    info!(
+        job = %job.job_id,
+        width = shape.width,
+        height = shape.height,
+        images = shape.images,
+        peak_mib = measured.peak / MIB,
+        held_at_start_mib = measured.held_at_start / MIB,
+        planned_mib = planned / MIB,
+        error,
+        cold,
+        "observed peak"
+    );
+}
+
+/// What the pipeline renders for a job: all its images, `max_batch` per UNet sub-batch.
+pub(crate) fn render_request(job: &ShotJob, max_batch: u32) -> RenderRequest {
+    RenderRequest {
+        prompt: job.prompt.clone(),
+        negative_prompt: job.negative_prompt.clone(),
+        width: job.width,
+        height: job.height,
+        steps: job.steps,
+        guidance: job.guidance,
+        seed: job.seed,
+        image_indices: (0..job.images).collect(),
+        max_batch: max_batch as usize,
+    }
+}
+
+/// Stops the run in progress (ONNX Runtime's terminate) at `deadline` (setting `timed_out`) or
+/// when the worker aborts, until dropped.
+pub(crate) fn stop_at(shared: &Shared, deadline: Instant, cancel: &CancelHandle, timed_out: &Arc<AtomicBool>) -> AbortOnDrop {
+    let (cancel, abort, timed_out) = (cancel.clone(), shared.abort.clone(), timed_out.clone());
+    AbortOnDrop(tokio::spawn(async move {
+        tokio::select! {
+            () = abort.cancelled() => {}
+            () = tokio::time::sleep_until(deadline.into()) => timed_out.store(true, Ordering::Relaxed),
+        }
+        cancel.cancel();
+    }))
+}
+
+/// A task that ends when this is dropped.
+pub(crate) struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}

@@ -1,0 +1,287 @@
+//! Every job settles exactly once: one outcome or one failed record, no image outliving its job,
+//! under hostile payloads, late workers, crashes on the last delivery, rolling restarts, slow
+//! stores and a store that goes away. (A crash after upload on a job's last delivery is in
+//! failures.rs, with the rescue that sweeps it.)
+
+use std::time::{Duration, Instant};
+
+use async_nats::jetstream;
+use shotfleet_producer::wait::Outcome;
+use shotfleet_schema::nats::Topology;
+use shotfleet_schema::{Priority, ResultStatus, failure, subject};
+use shotfleet_testkit::{NatsServer, S3Server, ServerBinary, ServerOptions, TcpProxy};
+use shotfleet_tests::*;
+
+/// Every record in `SHOTS_FAILED`, as (headers, payload).
+async fn failed_records(js: &jetstream::Context) -> Vec<(async_nats::HeaderMap, bytes::Bytes)> {
+    let mut stream = js.get_stream(subject::FAILED_STREAM).await.unwrap();
+    let last = stream.info().await.unwrap().state.last_sequence;
+    let mut records = Vec::new();
+    for seq in 1..=last {
+        if let Ok(message) = stream.get_raw_message(seq).await {
+            records.push((message.headers, message.payload));
+        }
+    }
+    records
+}
+
+async fn wait_for_records(js: &jetstream::Context, count: usize, timeout: Duration) -> Vec<(async_nats::HeaderMap, bytes::Bytes)> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let records = failed_records(js).await;
+        if records.len() >= count {
+            return records;
+        }
+        assert!(Instant::now() < deadline, "{} failed record(s) after {timeout:?}, wanted {count}", records.len());
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+fn header(headers: &async_nats::HeaderMap, name: &str) -> Option<String> {
+    headers.get(name).map(|v| v.as_str().to_owned())
+}
+
+/// A job whose id holds a CR LF: it decodes (JSON escapes) but no header may carry it.
+fn hostile_payload(n: u32) -> String {
+    format!(
+        r#"{{"v":1,"job_id":"evil-{n}\r\nNats-Msg-Id: x","project":"acme","shot_id":"s","prompt":"p","width":64,"height":64,"steps":2,"guidance":5.0,"seed":1}}"#
+    )
+}
+
+#[tokio::test]
+async fn a_job_id_with_a_line_break_ends_as_one_invalid_record_and_the_worker_lives() {
+    let server = NatsServer::start();
+    let js = jetstream_with(&server.url(), &Topology::default()).await;
+    let store = tempfile::tempdir().unwrap();
+    let mut worker = Worker::start(&server.url(), WorkerSpec::new("steady", store.path()));
+    js.publish("shots.p1.xs.acme", hostile_payload(1).into()).await.unwrap().await.unwrap();
+
+    let records = wait_for_records(&js, 1, Duration::from_secs(30)).await;
+    let (headers, payload) = &records[0];
+    assert_eq!(header(headers, failure::REASON).as_deref(), Some("invalid"));
+    assert_eq!(header(headers, failure::JOB_ID), None, "an id no header can hold is not named");
+    let detail = header(headers, failure::DETAIL).unwrap();
+    assert!(detail.contains("job_id") && !detail.contains('\r'), "{detail}");
+    assert_eq!(&payload[..], hostile_payload(1).as_bytes(), "the raw id stays in the payload");
+
+    // The worker is alive and serves the next job.
+    let next = shot(Priority::P1, job("after-1", "acme", (64, 64), 2, 1));
+    submit(&js, std::slice::from_ref(&next)).await;
+    results(&outcomes(&js, &[next], Duration::from_secs(60)).await);
+    assert!(worker.running());
+    assert!(!worker.log().contains("panicked"), "{}", worker.log());
+    wait_settled(&js, Duration::from_secs(10)).await;
+    assert_eq!(failed_records(&js).await.len(), 1, "one record, not one per delivery");
+}
+
+#[tokio::test]
+async fn the_rescue_records_hostile_jobs_that_died_on_their_last_delivery_and_survives() {
+    let server = NatsServer::start();
+    // Long enough for the worker below to be listening before the deliveries run out (the
+    // server emits the advisory when it would redeliver).
+    let topology = Topology { max_deliver: 1, ack_wait: Duration::from_secs(10), ..Topology::default() };
+    let js = jetstream_with(&server.url(), &topology).await;
+    for n in 1..=2 {
+        js.publish("shots.p1.xs.acme", hostile_payload(n).into()).await.unwrap().await.unwrap();
+    }
+    // Someone takes both and never answers: their one delivery is used up.
+    let stream = js.get_stream(subject::JOBS_STREAM).await.unwrap();
+    let consumer: jetstream::consumer::PullConsumer = stream.get_consumer("render-p1-xs").await.unwrap();
+    let mut taken = consumer.fetch().max_messages(2).messages().await.unwrap();
+    let mut held = Vec::new();
+    while let Some(message) = futures::StreamExt::next(&mut taken).await {
+        held.push(message.unwrap());
+    }
+    assert_eq!(held.len(), 2);
+
+    // A running worker hears both advisories; its rescue records both, one after the other.
+    let store = tempfile::tempdir().unwrap();
+    let mut worker = Worker::start(&server.url(), WorkerSpec::new("rescuer", store.path()));
+    let records = wait_for_records(&js, 2, Duration::from_secs(60)).await;
+    for (headers, _) in &records {
+        assert_eq!(header(headers, failure::REASON).as_deref(), Some("max_deliveries"));
+        assert_eq!(header(headers, failure::JOB_ID), None);
+    }
+    wait_settled(&js, Duration::from_secs(10)).await;
+    assert!(worker.running(), "{}", worker.log());
+    assert!(!worker.log().contains("panicked"), "{}", worker.log());
+}
+
+#[tokio::test]
+async fn the_first_outcome_stands_after_the_duplicate_window_on_every_server() {
+    for binary in ServerBinary::available() {
+        let server = NatsServer::start_with(ServerOptions { binary, ..Default::default() });
+        // A one-second window: the late worker publishes long after the server forgot the
+        // first result's message id.
+        let topology = Topology { duplicate_window: Duration::from_secs(1), ack_wait: Duration::from_secs(3), ..Topology::default() };
+        let js = jetstream_with(&server.url(), &topology).await;
+        let store = tempfile::tempdir().unwrap();
+        let mut slow = WorkerSpec::new("late", store.path());
+        // Until the other worker committed, then 2 s more: past the window.
+        slow.extra = "[faults]\nstall_before_publish = \"2s\"\nstall_until_committed = true\nmark_images = true\n".into();
+        let slow = Worker::start(&server.url(), slow);
+        let j = shot(Priority::P1, job("late-1", "acme", (64, 64), 2, 2));
+        submit(&js, std::slice::from_ref(&j)).await;
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !slow.log().contains("stalling before publish") {
+            assert!(Instant::now() < deadline, "{}", slow.log());
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let mut first = WorkerSpec::new("first", store.path());
+        first.extra = "[faults]\nmark_images = true\n".into();
+        let _first = Worker::start(&server.url(), first);
+        let result = results(&outcomes(&js, std::slice::from_ref(&j), Duration::from_secs(60)).await).remove(0);
+        assert_eq!(result.worker, "first", "{binary:?}");
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !slow.log().contains("another outcome was committed first") {
+            assert!(Instant::now() < deadline, "{binary:?}: the late worker took the commit:\n{}", slow.log());
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        wait_settled(&js, Duration::from_secs(20)).await;
+        check_store(store.path(), &result);
+        let results_stream = js.get_stream(subject::RESULTS_STREAM).await.unwrap();
+        let last = results_stream.direct_get_last_for_subject(subject::result("acme", "late-1")).await.unwrap();
+        let stored: shotfleet_schema::ShotResult = serde_json::from_slice(&last.payload).unwrap();
+        assert_eq!(stored.worker, "first", "{binary:?}: one outcome on the subject");
+    }
+}
+
+#[tokio::test]
+async fn a_result_publish_that_fails_on_the_last_attempt_leaves_no_image() {
+    let server = NatsServer::start();
+    let js = jetstream_with(&server.url(), &Topology::default()).await;
+    // Results may be 900 bytes at most: a four-image result is refused by the server, every
+    // time; a failure outcome (no images, a bounded detail) fits.
+    let mut results_stream = js.get_stream(subject::RESULTS_STREAM).await.unwrap();
+    let mut config = results_stream.info().await.unwrap().config.clone();
+    config.max_message_size = 900;
+    js.update_stream(&config).await.unwrap();
+    let store = tempfile::tempdir().unwrap();
+    let mut spec = WorkerSpec::new("refused", store.path());
+    spec.extra = "[attempts]\nmax_failures = 2\nbackoff = \"100ms\"\n".into();
+    let _worker = Worker::start(&server.url(), spec);
+    let j = shot(Priority::P1, job("refused-1", "acme", (64, 64), 2, 4));
+    submit(&js, std::slice::from_ref(&j)).await;
+    match &outcomes(&js, &[j], Duration::from_secs(60)).await["refused-1"] {
+        Outcome::Failed { reason, .. } => assert_eq!(reason, "attempts"),
+        other => panic!("expected a failure: {other:?}"),
+    }
+    wait_settled(&js, Duration::from_secs(20)).await;
+    let left = std::fs::read_dir(store.path().join("acme/refused-1")).map(|d| d.count()).unwrap_or(0);
+    assert_eq!(left, 0, "the uploads of a failed job are swept");
+    let records = failed_records(&js).await;
+    assert_eq!(records.len(), 1);
+    assert_eq!(header(&records[0].0, failure::ATTEMPTS).as_deref(), Some("2"));
+}
+
+#[tokio::test]
+async fn rolling_restarts_during_long_renders_fail_no_job() {
+    let server = NatsServer::start();
+    let js = jetstream_with(&server.url(), &Topology::default()).await;
+    let store = tempfile::tempdir().unwrap();
+    // Long renders on the CPU: each takes seconds, so every stop catches one in flight.
+    let shots: Vec<_> = (0..4).map(|i| shot(Priority::P1, job(&format!("long-{i}"), "acme", (256, 256), 40, 1))).collect();
+    submit(&js, &shots).await;
+    for round in 0..6 {
+        let mut spec = WorkerSpec::new(&format!("rolling-{round}"), store.path());
+        spec.grace = "200ms";
+        let mut worker = Worker::start(&server.url(), spec);
+        wait_in_flight(&js, "render-p1-xs").await;
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert_eq!(worker.terminate(Duration::from_secs(30)), Some(0), "{}", worker.log());
+    }
+    let _last = Worker::start(&server.url(), WorkerSpec::new("steady", store.path()));
+    let done = outcomes(&js, &shots, Duration::from_secs(240)).await;
+    let rendered = results(&done);
+    assert_eq!(rendered.len(), shots.len(), "every job has one result, none failed");
+    assert!(failed_records(&js).await.is_empty());
+    wait_settled(&js, Duration::from_secs(20)).await;
+    for result in &rendered {
+        check_store(store.path(), result);
+    }
+}
+
+#[tokio::test]
+async fn a_job_that_fails_every_attempt_lands_in_the_failed_stream_with_its_count() {
+    let server = NatsServer::start();
+    let js = jetstream_with(&server.url(), &Topology::default()).await;
+    let store = tempfile::tempdir().unwrap();
+    let mut spec = WorkerSpec::new("strict-clock", store.path());
+    // A time limit no render of this job meets: each attempt is a real failure (the time limit
+    // stops the graph in progress).
+    spec.time_limit = "1s";
+    spec.extra = "[attempts]\nmax_failures = 3\nbackoff = \"100ms\"\n".into();
+    let _worker = Worker::start(&server.url(), spec);
+    let j = shot(Priority::P1, job("slow-1", "acme", (512, 512), 60, 2));
+    submit(&js, std::slice::from_ref(&j)).await;
+    match &outcomes(&js, &[j], Duration::from_secs(120)).await["slow-1"] {
+        Outcome::Failed { reason, detail, .. } => {
+            assert_eq!(reason, "attempts");
+            assert!(detail.contains("time limit"), "{detail}");
+        }
+        other => panic!("expected a failure: {other:?}"),
+    }
+    let records = failed_records(&js).await;
+    assert_eq!(records.len(), 1);
+    assert_eq!(header(&records[0].0, failure::ATTEMPTS).as_deref(), Some("3"));
+    assert_eq!(header(&records[0].0, failure::JOB_ID).as_deref(), Some("slow-1"));
+}
+
+#[tokio::test]
+async fn a_held_job_is_kept_alive_through_a_slow_upload() {
+    let server = NatsServer::start();
+    let topology = Topology { ack_wait: Duration::from_secs(2), ..Topology::default() };
+    let js = jetstream_with(&server.url(), &topology).await;
+    let s3 = S3Server::start();
+    s3.create_bucket("renders");
+    let proxy = TcpProxy::start(&s3.endpoint());
+    let scratch = tempfile::tempdir().unwrap();
+    let mut spec = WorkerSpec::new("patient", scratch.path());
+    spec.store_url = "s3://renders/shotfleet".into();
+    spec.extra = "\n[store.retry]\nmax_elapsed_ms = 60000\n".into();
+    spec.env = S3Server::credentials().iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+    spec.env.push(("AWS_ENDPOINT_URL".into(), proxy.endpoint()));
+    let worker = Worker::start(&server.url(), spec);
+    // Noise PNGs of 512x512 are hundreds of KiB: at 64 KiB/s the upload outlasts ack_wait.
+    proxy.throttle(Some(64 * 1024));
+    let j = shot(Priority::P1, job("slow-store-1", "acme", (512, 512), 2, 2));
+    submit(&js, std::slice::from_ref(&j)).await;
+    let result = results(&outcomes(&js, &[j], Duration::from_secs(120)).await).remove(0);
+    assert!(result.timing.upload_ms > 4000, "the upload outlasted ack_wait twice: {} ms", result.timing.upload_ms);
+    assert_eq!(result.attempt, 1, "never redelivered:\n{}", worker.log());
+    let stream = js.get_stream(subject::JOBS_STREAM).await.unwrap();
+    let info = stream.consumer_info("render-p1-s").await.unwrap();
+    assert_eq!(info.num_redelivered, 0);
+}
+
+#[tokio::test]
+async fn a_deleted_bucket_stops_the_worker_and_fails_no_job() {
+    let server = NatsServer::start();
+    let js = jetstream_with(&server.url(), &Topology::default()).await;
+    let s3 = S3Server::start();
+    s3.create_bucket("renders");
+    let scratch = tempfile::tempdir().unwrap();
+    let spec = |id: &str| {
+        let mut spec = WorkerSpec::new(id, scratch.path());
+        spec.store_url = "s3://renders/shotfleet".into();
+        spec.extra = "\n[store.retry]\nmax_elapsed_ms = 2000\n".into();
+        spec.env = S3Server::credentials().iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        spec.env.push(("AWS_ENDPOINT_URL".into(), s3.endpoint()));
+        spec
+    };
+    let mut worker = Worker::start(&server.url(), spec("orphaned"));
+    s3.delete_all_buckets();
+    let j = shot(Priority::P1, job("no-bucket-1", "acme", (64, 64), 2, 1));
+    submit(&js, std::slice::from_ref(&j)).await;
+    let status = worker.wait_exit(Duration::from_secs(60)).expect("the worker stops");
+    assert_eq!(status.code(), Some(77), "EXIT_STORE:\n{}", worker.log());
+    assert!(worker.log().contains("object store"), "{}", worker.log());
+    assert!(failed_records(&js).await.is_empty(), "no job pays for the store");
+
+    // The job waits for a healthy worker.
+    s3.create_bucket("renders");
+    let _healthy = Worker::start(&server.url(), spec("healthy"));
+    let result = results(&outcomes(&js, &[j], Duration::from_secs(60)).await).remove(0);
+    assert_eq!(result.worker, "healthy");
+    assert_eq!(result.status, ResultStatus::Done);
+}
