@@ -6,6 +6,7 @@ use std::path::PathBuf;
 
 use shotfleet_consumer::config::{DeviceKind, Overrides, WorkerConfig};
 use shotfleet_schema::MemoryClass;
+use shotfleet_schema::nats::NatsArgs;
 
 fn model() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../onnx/tiny/model")
@@ -39,7 +40,11 @@ fn environment_overrides_the_file_and_flags_override_the_environment() {
     let config = WorkerConfig::resolve(
         Some(&path),
         &env(&[("NATS_URL", "nats://env:4222"), ("SHOTFLEET_MODEL", model.to_str().unwrap()), ("SHOTFLEET_STORE", "file:///tmp/x")]),
-        Overrides { server: Some("nats://flag:4222".into()), classes: Some("xs,s".into()), ..Default::default() },
+        Overrides {
+            nats: NatsArgs { server: Some("nats://flag:4222".into()), ..Default::default() },
+            classes: Some("xs,s".into()),
+            ..Default::default()
+        },
     )
     .unwrap();
     assert_eq!(config.nats.server, "nats://flag:4222");

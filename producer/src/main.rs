@@ -16,7 +16,7 @@ use shotfleet_producer::wait::{Awaited, Outcome};
 use shotfleet_producer::{replay, status, storyboard, submit, wait};
 use shotfleet_schema::encoding::ContentType;
 use shotfleet_schema::failure::FailureReason;
-use shotfleet_schema::nats::{NatsOptions, Topology};
+use shotfleet_schema::nats::{NatsArgs, NatsOptions, Topology};
 use shotfleet_schema::Limits;
 
 #[derive(Parser)]
@@ -26,23 +26,6 @@ struct Cli {
     nats: NatsArgs,
     #[command(subcommand)]
     command: Command,
-}
-
-#[derive(Args)]
-struct NatsArgs {
-    /// NATS server URL(s), comma separated.
-    #[arg(long, global = true, env = "NATS_URL", default_value = "nats://127.0.0.1:4222")]
-    server: String,
-    /// NATS credentials file (JWT + NKey).
-    #[arg(long, global = true, env = "NATS_CREDS")]
-    creds: Option<PathBuf>,
-    #[arg(long, global = true, env = "NATS_USER")]
-    user: Option<String>,
-    #[arg(long, global = true, env = "NATS_PASSWORD", hide_env_values = true)]
-    password: Option<String>,
-    /// PEM file of CA certificates to trust (turns TLS on).
-    #[arg(long, global = true, env = "NATS_CA")]
-    tls_ca: Option<PathBuf>,
 }
 
 #[derive(Subcommand)]
@@ -174,14 +157,8 @@ async fn main() -> ExitCode {
 }
 
 async fn run(cli: Cli) -> Result<u8, Failure> {
-    let options = NatsOptions {
-        server: cli.nats.server,
-        creds: cli.nats.creds,
-        user: cli.nats.user,
-        password: cli.nats.password,
-        tls_ca: cli.nats.tls_ca,
-        name: "shotfleet-cli".into(),
-    };
+    let mut options = NatsOptions { name: "shotfleet-cli".into(), ..NatsOptions::default() };
+    cli.nats.apply(&mut options, |name| std::env::var(name).ok());
     match cli.command {
         Command::Setup(args) => setup(&options, args).await,
         Command::Submit(args) => submit_file(&options, args).await,
