@@ -202,6 +202,7 @@ impl NatsOptions {
     /// A [`ConnectError`] naming the (redacted) server and what to check.
     pub async fn connect(&self) -> Result<async_nats::Client, ConnectError> {
         let (addresses, in_url) = self.split_addresses()?;
+        use_ring_for_tls();
         let inbox = self.inbox_prefix.clone().unwrap_or_else(|| "_INBOX".into());
         let mut options = async_nats::ConnectOptions::new()
             .name(&self.name)
@@ -285,13 +286,24 @@ impl NatsOptions {
     }
 }
 
+/// Picks rustls' process-wide crypto provider once. A binary that also links the S3 client has
+/// both of rustls' backends (aws-lc-rs beside async-nats' ring), and rustls then refuses to
+/// choose: any TLS connection, even one the server asks for, would panic.
+fn use_ring_for_tls() {
+    use async_nats::rustls::crypto::{CryptoProvider, ring};
+    if CryptoProvider::get_default().is_none() {
+        // Err only when another thread installed one first, which serves as well.
+        let _ = ring::default_provider().install_default();
+    }
+}
+
 /// Logs what the server refused after the connection was made: a permissions violation names
 /// the subject, which says which role's permission is missing.
 fn log_event(event: &async_nats::Event, inbox: &str) {
     use async_nats::{Event, ServerError};
     match event {
-        Event::ServerError(ServerError::Other(message)) if message.contains("ermissions violation") => {
-            if message.contains(&format!("subscription to \"{inbox}.")) {
+        Event::ServerError(ServerError::Other(message)) if message.to_lowercase().contains("permissions violation") => {
+            if message.to_lowercase().contains(&format!("subscription to \"{}.", inbox.to_lowercase())) {
                 tracing::error!(error = %message, inbox, "the NATS server refused this user the reply inbox; set --inbox-prefix (NATS_INBOX_PREFIX) to the prefix its permissions allow, e.g. _INBOX_<user>");
             } else {
                 tracing::warn!(error = %message, "the NATS server refused: this user's permissions do not allow it (deploy/nats/README.md lists each role's)");
