@@ -15,7 +15,8 @@
 //! grace_period = "60s"
 //! job_time_limit = "10m"
 //!
-//! [nats]      server = "nats://nats:4222", creds = "/etc/shotfleet/worker.creds"
+//! [nats]      server = "tls://nats:4222", creds = "/etc/shotfleet/worker.creds", tls_ca = "/etc/shotfleet/nats-ca.pem"
+//!             # or nkey / token_file / user + password_file; tls_cert + tls_key; inbox_prefix = "_INBOX_worker"
 //! [store]     url = "s3://renders/shotfleet", endpoint = "http://minio:9000"
 //! [budget]    max_fill = 0.9, reserve_mib = 512
 //! [cuda.unet] conv_algo_search = "heuristic", fuse_conv_bias = true, graph = false

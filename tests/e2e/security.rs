@@ -152,7 +152,7 @@ async fn each_role_does_its_commands_and_nothing_more() {
     assert_refused(&refused, "$JS.API.DIRECT.GET.SHOT_RESULTS.shots.done.moth.moth-1").await;
     assert!(js.delete_stream(subject::JOBS_STREAM).await.is_err());
     assert_refused(&refused, "$JS.API.STREAM.DELETE.SHOTS").await;
-    let mut jobs = js.get_stream(subject::JOBS_STREAM).await.unwrap();
+    let jobs = js.get_stream(subject::JOBS_STREAM).await.unwrap();
     assert!(jobs.purge().await.is_err());
     assert_refused(&refused, "$JS.API.STREAM.PURGE.SHOTS").await;
     let published = js.publish(subject::job(subject::Priority::P1, subject::SubjectClass::Auto, "moth"), "{}".into()).await;
