@@ -119,3 +119,9 @@ fn per_graph_cuda_options_default_to_onnx_runtimes_own() {
     let e = toml::from_str::<WorkerConfig>("[cuda.vae]\nmem_patterns = false\n").unwrap_err().to_string();
     assert!(e.contains("unknown field `mem_patterns`") && e.contains("mem_pattern"), "{e}");
 }
+
+#[test]
+fn metrics_listen_on_loopback_unless_told_otherwise() {
+    assert_eq!(WorkerConfig::default().metrics_addr().to_string(), "127.0.0.1:9400");
+    assert!(WorkerConfig::default().require_store().is_err(), "no store unless one is set");
+}
