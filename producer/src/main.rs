@@ -2,7 +2,8 @@
 //! failed jobs.
 //!
 //! Exit codes: 0 success; 1 some jobs failed (with `--wait`), or some failed records could not be
-//! replayed; 2 bad input (the file, flags); 3 NATS unreachable or the server refused.
+//! replayed; 2 bad input (the file, flags, connection settings); 3 NATS unreachable or the server
+//! refused.
 
 use std::io::IsTerminal;
 use std::path::PathBuf;
@@ -168,7 +169,7 @@ async fn run(cli: Cli) -> Result<u8, Failure> {
 }
 
 async fn connect(options: &NatsOptions) -> Result<async_nats::jetstream::Context, Failure> {
-    let client = options.connect().await.map_err(server)?;
+    let client = options.connect().await.map_err(|e| if e.is_setting() { bad_input(e) } else { server(e) })?;
     Ok(async_nats::jetstream::new(client))
 }
 

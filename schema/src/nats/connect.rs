@@ -108,8 +108,17 @@ pub enum ConnectError {
     SeveralCredentials(String),
     #[error("the server URLs carry different credentials; write them once, or use --user and --password-file")]
     MixedUrlCredentials,
-    #[error("cannot connect to NATS at {server}: {kind}; {hint}")]
+    #[error("cannot connect to NATS at {server}: {detail}; {hint}")]
     Failed { server: String, kind: ConnectErrorKind, hint: &'static str, detail: String },
+}
+
+impl ConnectError {
+    /// The settings are wrong (a bad address, a missing file, credentials that do not go
+    /// together): fix them, retrying will not help. Otherwise the server could not be reached or
+    /// refused.
+    pub fn is_setting(&self) -> bool {
+        !matches!(self, Self::Failed { .. })
+    }
 }
 
 /// `nats://user:secret@host` as `nats://user:***@host`, and `nats://token@host` as
@@ -319,7 +328,7 @@ fn log_event(event: &async_nats::Event, inbox: &str) {
 
 fn hint(kind: ConnectErrorKind, detail: &str, tls: bool) -> &'static str {
     let lower = detail.to_ascii_lowercase();
-    let about_tls = lower.contains("certificate") || lower.contains("tls") || lower.contains("handshake");
+    let about_tls = ["certificate", "tls", "handshake", "alert"].iter().any(|word| lower.contains(word));
     match kind {
         ConnectErrorKind::AuthorizationViolation | ConnectErrorKind::Authentication => {
             "check the credentials: --creds, --nkey, --token-file, --user with --password-file (NATS_CREDS, NATS_NKEY, NATS_TOKEN, NATS_USER, NATS_PASSWORD)"
