@@ -15,12 +15,13 @@
 //! grace_period = "60s"
 //! job_time_limit = "10m"
 //!
-//! [nats]      server = "nats://nats:4222", creds = "/etc/shotfleet/worker.creds"
+//! [nats]      server = "tls://nats:4222", creds = "/etc/shotfleet/worker.creds", tls_ca = "/etc/shotfleet/nats-ca.pem"
+//!             # or nkey / token_file / user + password_file; tls_cert + tls_key; inbox_prefix = "_INBOX_worker"
 //! [store]     url = "s3://renders/shotfleet", endpoint = "http://minio:9000"
 //! [budget]    max_fill = 0.9, reserve_mib = 512
 //! [cuda.unet] conv_algo_search = "heuristic", fuse_conv_bias = true, graph = false
 //! [cuda.vae]  conv_max_workspace = false
-//! [telemetry] listen = "0.0.0.0:9400"
+//! [telemetry] listen = "127.0.0.1:9400"   # the default; a pod or a remote scraper needs another
 //! [priorities] p1_max_wait = "20s", p2_max_wait = "60s"
 //! ```
 
@@ -30,7 +31,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
-use shotfleet_schema::nats::NatsOptions;
+use shotfleet_schema::nats::{NatsArgs, NatsOptions};
 use shotfleet_schema::nats::topology::parse_duration;
 use shotfleet_schema::{Limits, MemoryClass, Priority};
 
@@ -230,11 +231,8 @@ impl Default for WorkerConfig {
 /// Values given on the command line; each overrides the file and the environment.
 #[derive(Debug, Clone, Default)]
 pub struct Overrides {
-    pub server: Option<String>,
-    pub creds: Option<PathBuf>,
-    pub user: Option<String>,
-    pub password: Option<String>,
-    pub tls_ca: Option<PathBuf>,
+    /// The connection flags; they apply the NATS environment variables too.
+    pub nats: NatsArgs,
     pub model: Option<PathBuf>,
     pub store: Option<String>,
     pub device: Option<String>,
@@ -259,8 +257,8 @@ fn bad(setting: &str, message: impl Into<String>) -> ConfigError {
 }
 
 impl WorkerConfig {
-    /// Reads `file` (if any), applies the environment (`NATS_URL`, `NATS_CREDS`, `NATS_USER`,
-    /// `NATS_PASSWORD`, `NATS_CA`, `SHOTFLEET_MODEL`, `SHOTFLEET_STORE`, `SHOTFLEET_DEVICE`,
+    /// Reads `file` (if any), applies the environment (the `NATS_*` variables of
+    /// [`NatsArgs`], `SHOTFLEET_MODEL`, `SHOTFLEET_STORE`, `SHOTFLEET_DEVICE`,
     /// `SHOTFLEET_GPU`, `SHOTFLEET_WORKER_ID`, `SHOTFLEET_STATE_DIR`, `SHOTFLEET_METRICS_ADDR`),
     /// then the flags, and validates the result.
     ///
@@ -278,21 +276,7 @@ impl WorkerConfig {
         let var = |name: &str| env.get(name).filter(|v| !v.is_empty()).cloned();
         let pick = |flag: Option<String>, name: &str| flag.or_else(|| var(name));
 
-        if let Some(v) = pick(flags.server, "NATS_URL") {
-            config.nats.server = v;
-        }
-        if let Some(v) = flags.creds.or_else(|| var("NATS_CREDS").map(PathBuf::from)) {
-            config.nats.creds = Some(v);
-        }
-        if let Some(v) = pick(flags.user, "NATS_USER") {
-            config.nats.user = Some(v);
-        }
-        if let Some(v) = pick(flags.password, "NATS_PASSWORD") {
-            config.nats.password = Some(v);
-        }
-        if let Some(v) = flags.tls_ca.or_else(|| var("NATS_CA").map(PathBuf::from)) {
-            config.nats.tls_ca = Some(v);
-        }
+        flags.nats.apply(&mut config.nats, var);
         if let Some(v) = flags.model.or_else(|| var("SHOTFLEET_MODEL").map(PathBuf::from)) {
             config.model = v;
         }
@@ -411,6 +395,22 @@ impl WorkerConfig {
         }
         if self.calibration.steps == 0 {
             return Err(bad("calibration.steps", "must be at least 1"));
+        }
+        Ok(())
+    }
+
+    /// Serving needs a store set on purpose: images never go to a folder nobody chose.
+    /// (`--check-budget` renders without one.)
+    ///
+    /// # Errors
+    /// [`ConfigError`] when no store is configured.
+    pub fn require_store(&self) -> Result<(), ConfigError> {
+        if self.store.url.trim().is_empty() {
+            return Err(bad(
+                "store.url (SHOTFLEET_STORE, --store)",
+                "no store for the images; set one, e.g. `[store] url = \"s3://renders/shotfleet\"` or \
+                 SHOTFLEET_STORE=file:///var/lib/shotfleet/images",
+            ));
         }
         Ok(())
     }

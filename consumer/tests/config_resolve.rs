@@ -6,6 +6,7 @@ use std::path::PathBuf;
 
 use shotfleet_consumer::config::{DeviceKind, Overrides, WorkerConfig};
 use shotfleet_schema::MemoryClass;
+use shotfleet_schema::nats::NatsArgs;
 
 fn model() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../onnx/tiny/model")
@@ -39,7 +40,11 @@ fn environment_overrides_the_file_and_flags_override_the_environment() {
     let config = WorkerConfig::resolve(
         Some(&path),
         &env(&[("NATS_URL", "nats://env:4222"), ("SHOTFLEET_MODEL", model.to_str().unwrap()), ("SHOTFLEET_STORE", "file:///tmp/x")]),
-        Overrides { server: Some("nats://flag:4222".into()), classes: Some("xs,s".into()), ..Default::default() },
+        Overrides {
+            nats: NatsArgs { server: Some("nats://flag:4222".into()), ..Default::default() },
+            classes: Some("xs,s".into()),
+            ..Default::default()
+        },
     )
     .unwrap();
     assert_eq!(config.nats.server, "nats://flag:4222");
@@ -113,4 +118,10 @@ fn per_graph_cuda_options_default_to_onnx_runtimes_own() {
     assert!(config.cuda.vae.mem_pattern, "not set: ONNX Runtime's default");
     let e = toml::from_str::<WorkerConfig>("[cuda.vae]\nmem_patterns = false\n").unwrap_err().to_string();
     assert!(e.contains("unknown field `mem_patterns`") && e.contains("mem_pattern"), "{e}");
+}
+
+#[test]
+fn metrics_listen_on_loopback_unless_told_otherwise() {
+    assert_eq!(WorkerConfig::default().metrics_addr().to_string(), "127.0.0.1:9400");
+    assert!(WorkerConfig::default().require_store().is_err(), "no store unless one is set");
 }

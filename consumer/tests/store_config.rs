@@ -123,3 +123,20 @@ fn store_config_reads_toml_and_refuses_unknown_keys() {
     let err = toml::from_str::<StoreConfig>("url = \"s3://b\"\nendpont = \"http://x\"").unwrap_err();
     assert!(err.to_string().contains("endpont"), "{err}");
 }
+
+#[test]
+fn store_config_has_no_default_location() {
+    let message = refused(open_with(StoreConfig::default(), &[]));
+    assert!(message.contains("no store configured"), "{message}");
+}
+
+#[test]
+fn store_config_hides_credentials_written_into_the_url() {
+    let message = refused(open("s3://AKIDEXAMPLE:hunter2@renders/p"));
+    assert!(!message.contains("hunter2") && !message.contains("AKIDEXAMPLE"), "{message}");
+    assert!(message.contains("s3://***@renders/p") && message.contains("AWS_SECRET_ACCESS_KEY"), "{message}");
+    let message = refused(open("s3://AKIDEXAMPLE:hunter2@/p"));
+    assert!(!message.contains("hunter2"), "{message}");
+    let message = refused(open("ftp://user:hunter2@host/p"));
+    assert!(!message.contains("hunter2"), "{message}");
+}

@@ -2,7 +2,8 @@
 //! failed jobs.
 //!
 //! Exit codes: 0 success; 1 some jobs failed (with `--wait`), or some failed records could not be
-//! replayed; 2 bad input (the file, flags); 3 NATS unreachable or the server refused.
+//! replayed; 2 bad input (the file, flags, connection settings); 3 NATS unreachable or the server
+//! refused.
 
 use std::io::IsTerminal;
 use std::path::PathBuf;
@@ -16,7 +17,7 @@ use shotfleet_producer::wait::{Awaited, Outcome};
 use shotfleet_producer::{replay, status, storyboard, submit, wait};
 use shotfleet_schema::encoding::ContentType;
 use shotfleet_schema::failure::FailureReason;
-use shotfleet_schema::nats::{NatsOptions, Topology};
+use shotfleet_schema::nats::{NatsArgs, NatsOptions, Topology};
 use shotfleet_schema::Limits;
 
 #[derive(Parser)]
@@ -26,23 +27,6 @@ struct Cli {
     nats: NatsArgs,
     #[command(subcommand)]
     command: Command,
-}
-
-#[derive(Args)]
-struct NatsArgs {
-    /// NATS server URL(s), comma separated.
-    #[arg(long, global = true, env = "NATS_URL", default_value = "nats://127.0.0.1:4222")]
-    server: String,
-    /// NATS credentials file (JWT + NKey).
-    #[arg(long, global = true, env = "NATS_CREDS")]
-    creds: Option<PathBuf>,
-    #[arg(long, global = true, env = "NATS_USER")]
-    user: Option<String>,
-    #[arg(long, global = true, env = "NATS_PASSWORD", hide_env_values = true)]
-    password: Option<String>,
-    /// PEM file of CA certificates to trust (turns TLS on).
-    #[arg(long, global = true, env = "NATS_CA")]
-    tls_ca: Option<PathBuf>,
 }
 
 #[derive(Subcommand)]
@@ -200,14 +184,8 @@ async fn main() -> ExitCode {
 }
 
 async fn run(cli: Cli) -> Result<u8, Failure> {
-    let options = NatsOptions {
-        server: cli.nats.server,
-        creds: cli.nats.creds,
-        user: cli.nats.user,
-        password: cli.nats.password,
-        tls_ca: cli.nats.tls_ca,
-        name: "shotfleet-cli".into(),
-    };
+    let mut options = NatsOptions { name: "shotfleet-cli".into(), ..NatsOptions::default() };
+    cli.nats.apply(&mut options, |name| std::env::var(name).ok());
     match cli.command {
         Command::Setup(args) => setup(&options, args).await,
         Command::Submit(args) => submit_file(&options, args).await,
@@ -217,7 +195,7 @@ async fn run(cli: Cli) -> Result<u8, Failure> {
 }
 
 async fn connect(options: &NatsOptions) -> Result<async_nats::jetstream::Context, Failure> {
-    let client = options.connect().await.map_err(server)?;
+    let client = options.connect().await.map_err(|e| if e.is_setting() { bad_input(e) } else { server(e) })?;
     Ok(async_nats::jetstream::new(client))
 }
 

@@ -3,6 +3,7 @@
 use std::time::{Duration, SystemTime};
 
 use async_nats::jetstream;
+use async_nats::jetstream::stream::RawMessageErrorKind;
 use futures::StreamExt;
 use shotfleet_schema::nats::Topology;
 use shotfleet_schema::subject;
@@ -38,6 +39,10 @@ pub struct Status {
 pub async fn read(js: &jetstream::Context) -> Result<Status, String> {
     let jobs = js.get_stream(subject::JOBS_STREAM).await.map_err(|e| missing(subject::JOBS_STREAM, e))?;
     let mut status = Status::default();
+    // The oldest job's age reads a job from the stream, which a producer's permissions refuse
+    // (another project's prompt); after one refusal the column stays empty instead of waiting
+    // out a refusal per consumer.
+    let mut oldest_readable = true;
     for config in Topology::default().consumers() {
         let name = config.durable_name.clone().unwrap_or_default();
         let mut consumer = jobs
@@ -45,17 +50,24 @@ pub async fn read(js: &jetstream::Context) -> Result<Status, String> {
             .await
             .map_err(|e| missing(&name, e))?;
         let info = consumer.info().await.map_err(|e| e.to_string())?;
-        let oldest = jobs
-            .get_first_raw_message_by_subject(&config.filter_subject, 1)
-            .await
-            .ok()
-            .and_then(|m| SystemTime::now().duration_since(m.time.into()).ok());
+        let waiting = info.num_pending + info.num_ack_pending as u64 > 0;
+        let oldest = if waiting && oldest_readable {
+            match jobs.get_first_raw_message_by_subject(&config.filter_subject, 1).await {
+                Ok(m) => SystemTime::now().duration_since(m.time.into()).ok(),
+                Err(e) => {
+                    oldest_readable = matches!(e.kind(), RawMessageErrorKind::NoMessageFound);
+                    None
+                }
+            }
+        } else {
+            None
+        };
         status.queues.push(QueueStatus {
             consumer: name,
             pending: info.num_pending,
             in_progress: info.num_ack_pending as u64,
             redelivered: info.num_redelivered as u64,
-            oldest: oldest.filter(|_| info.num_pending + info.num_ack_pending as u64 > 0),
+            oldest,
         });
     }
     let failed = js.get_stream(subject::FAILED_STREAM).await.map_err(|e| missing(subject::FAILED_STREAM, e))?;

@@ -121,9 +121,14 @@ async fn follow(
 
 async fn try_follow(js: &jetstream::Context, stream: &str, filter: &str) -> Result<consumer::push::Ordered, String> {
     let stream = js.get_stream(stream).await.map_err(|e| e.to_string())?;
+    let inbox = js.client().new_inbox();
+    // A named consumer is created on `CONSUMER.CREATE.<stream>.<name>.<filter>`, which a
+    // producer's permissions allow for its own projects' filters only (deploy/nats).
+    let name = format!("wait-{}", inbox.rsplit('.').next().unwrap_or_default());
     let consumer = stream
         .create_consumer(consumer::push::OrderedConfig {
-            deliver_subject: js.client().new_inbox(),
+            name: Some(name),
+            deliver_subject: inbox,
             filter_subject: filter.to_owned(),
             deliver_policy: consumer::DeliverPolicy::All,
             ..Default::default()

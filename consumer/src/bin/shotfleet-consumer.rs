@@ -11,6 +11,7 @@ use std::process::ExitCode;
 
 use clap::Parser;
 use shotfleet_consumer::config::{Overrides, WorkerConfig};
+use shotfleet_schema::nats::NatsArgs;
 
 #[derive(Parser)]
 #[command(name = "shotfleet-consumer", version, about = "A shotfleet GPU worker")]
@@ -18,23 +19,12 @@ struct Cli {
     /// TOML config file; the environment and flags override it.
     #[arg(long, env = "SHOTFLEET_CONFIG")]
     config: Option<PathBuf>,
-    /// NATS server URL(s) (NATS_URL).
-    #[arg(long)]
-    server: Option<String>,
-    /// NATS credentials file (NATS_CREDS).
-    #[arg(long)]
-    creds: Option<PathBuf>,
-    #[arg(long)]
-    user: Option<String>,
-    #[arg(long, hide = true)]
-    password: Option<String>,
-    /// PEM file of CA certificates for TLS (NATS_CA).
-    #[arg(long)]
-    tls_ca: Option<PathBuf>,
+    #[command(flatten)]
+    nats: NatsArgs,
     /// Model folder, Optimum SDXL ONNX layout (SHOTFLEET_MODEL).
     #[arg(long)]
     model: Option<PathBuf>,
-    /// Object store: file:///path or s3://bucket/prefix (SHOTFLEET_STORE).
+    /// Object store: file:///path or s3://bucket/prefix (SHOTFLEET_STORE); required to serve.
     #[arg(long)]
     store: Option<String>,
     /// cpu or cuda (SHOTFLEET_DEVICE).
@@ -46,7 +36,7 @@ struct Cli {
     /// Memory classes served, comma separated (xs,s,m,l,xl).
     #[arg(long)]
     classes: Option<String>,
-    /// Metrics and health address (SHOTFLEET_METRICS_ADDR), e.g. 0.0.0.0:9400.
+    /// Metrics and health address (SHOTFLEET_METRICS_ADDR); default 127.0.0.1:9400.
     #[arg(long)]
     metrics_addr: Option<String>,
     /// How long in-flight jobs may finish after SIGTERM, e.g. 60s.
@@ -79,11 +69,7 @@ async fn main() -> ExitCode {
     }
     let env: HashMap<String, String> = std::env::vars().collect();
     let overrides = Overrides {
-        server: cli.server,
-        creds: cli.creds,
-        user: cli.user,
-        password: cli.password,
-        tls_ca: cli.tls_ca,
+        nats: cli.nats,
         model: cli.model,
         store: cli.store,
         device: cli.device,
@@ -103,6 +89,10 @@ async fn main() -> ExitCode {
     };
     if let Some(shapes) = cli.check_budget {
         return check_budget(&config, &shapes).await;
+    }
+    if let Err(e) = config.require_store() {
+        eprintln!("shotfleet-consumer: configuration: {e}");
+        return ExitCode::from(2);
     }
     match shotfleet_consumer::run(config, env.into_iter().collect(), shutdown_signal()).await {
         Ok(()) => ExitCode::SUCCESS,

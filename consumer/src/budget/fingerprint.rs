@@ -110,9 +110,10 @@ impl FingerprintStore {
     }
 }
 
-/// A temporary name beside `path`, unique per process so two workers do not share one.
+/// A temporary name beside `path`, unique per writer so two workers do not share one, also on a
+/// folder shared by pods whose processes all run as PID 1 (deploy/k8s).
 fn aside_path(path: &Path) -> PathBuf {
     let mut name = path.file_name().unwrap_or_default().to_os_string();
-    name.push(format!(".{}.tmp", std::process::id()));
+    name.push(format!(".{}-{:016x}.tmp", std::process::id(), rand::random::<u64>()));
     path.with_file_name(name)
 }

@@ -31,7 +31,7 @@ use super::retry::RetryConfig;
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct StoreConfig {
-    /// `file:///absolute/folder` (created if missing) or `s3://bucket/optional/prefix`.
+    /// `file:///absolute/folder` (created if missing) or `s3://bucket/optional/prefix`. Required.
     pub url: String,
     /// S3 endpoint for S3-compatible servers, path-style (`http://host:port`). Overrides
     /// `AWS_ENDPOINT_URL`; unset with neither means AWS itself.
@@ -52,7 +52,8 @@ pub struct StoreConfig {
 impl Default for StoreConfig {
     fn default() -> Self {
         Self {
-            url: "file:///tmp/shotfleet/images".into(),
+            // No default: a worker refuses to serve without one (`WorkerConfig::require_store`).
+            url: String::new(),
             endpoint: None,
             region: None,
             allow_http: false,
@@ -84,9 +85,17 @@ impl StoreConfig {
         V: Into<String>,
     {
         self.retry.validate()?;
-        let url_error = |reason: &str| StoreError::Url { url: self.url.clone(), reason: reason.into() };
+        let url_error = |reason: &str| StoreError::Url { url: redact_url(&self.url), reason: reason.into() };
+        if self.url.trim().is_empty() {
+            return Err(url_error("no store configured; expected file:///folder or s3://bucket/prefix"));
+        }
         let url = Url::parse(&self.url)
             .map_err(|e| url_error(&format!("{e}; expected file:///folder or s3://bucket/prefix")))?;
+        if !url.username().is_empty() || url.password().is_some() {
+            return Err(url_error(
+                "holds credentials; take them out and give them in the environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY)",
+            ));
+        }
         match url.scheme() {
             "file" => {
                 if url.host_str().is_some_and(|h| !h.is_empty()) || !self.url.starts_with("file:///") {
@@ -186,6 +195,22 @@ impl StoreConfig {
             .build()
             .map_err(|source| StoreError::Build { location: location.clone(), source })?;
         Ok(Opened { inner: Arc::new(s3), prefix, location, url_base, attributes: true })
+    }
+}
+
+/// A store URL as it may be shown: a `user:password@` part (credentials belong in the
+/// environment, but someone may write them there) becomes `***@`.
+fn redact_url(url: &str) -> String {
+    match Url::parse(url) {
+        Ok(mut parsed) if !parsed.username().is_empty() || parsed.password().is_some() => {
+            let _ = parsed.set_password(None);
+            let _ = parsed.set_username("***");
+            parsed.to_string()
+        }
+        Ok(_) => url.to_owned(),
+        // Unparsable: shown as written (it is what to fix) unless it may hold a secret.
+        Err(_) if url.contains('@') => "(unparsable; not shown, it may hold a password)".into(),
+        Err(_) => url.to_owned(),
     }
 }
 

@@ -58,12 +58,14 @@ pub use self::server::{TelemetryServer, serve};
 #[serde(default, deny_unknown_fields)]
 pub struct TelemetryConfig {
     /// Address of the metrics and health port. One process per GPU: give each its own port.
+    /// Loopback by default: the port has no authentication, so reaching it from elsewhere (a
+    /// pod's probes, a remote Prometheus) is set on purpose (deploy/k8s, deploy/systemd).
     pub listen: SocketAddr,
 }
 
 impl Default for TelemetryConfig {
     fn default() -> Self {
-        Self { listen: SocketAddr::from(([0, 0, 0, 0], 9400)) }
+        Self { listen: SocketAddr::from(([127, 0, 0, 1], 9400)) }
     }
 }
 

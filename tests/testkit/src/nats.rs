@@ -56,11 +56,16 @@ pub struct ServerOptions {
     pub binary: ServerBinary,
     /// Extra lines for the config file (accounts, authorization, limits ...).
     pub extra_config: String,
+    /// Config files to `include` as they are (linked into the server's folder, since
+    /// nats-server resolves includes relative to the including file).
+    pub include: Vec<PathBuf>,
+    /// Environment of the server process: what the config's `$VARIABLES` read.
+    pub env: Vec<(String, String)>,
 }
 
 impl Default for ServerOptions {
     fn default() -> Self {
-        Self { binary: ServerBinary::Current, extra_config: String::new() }
+        Self { binary: ServerBinary::Current, extra_config: String::new(), include: Vec::new(), env: Vec::new() }
     }
 }
 
@@ -69,6 +74,7 @@ impl Default for ServerOptions {
 pub struct NatsServer {
     name: String,
     binary: ServerBinary,
+    env: Vec<(String, String)>,
     port: u16,
     monitor_port: u16,
     config_path: PathBuf,
@@ -114,11 +120,17 @@ impl NatsServer {
             .unwrap();
         }
         config.push_str(&options.extra_config);
+        for (i, file) in options.include.iter().enumerate() {
+            let link = format!("include-{i}.conf");
+            std::os::unix::fs::symlink(file, dir.path().join(&link)).expect("link an included config");
+            writeln!(config, "\ninclude {link:?}").unwrap();
+        }
         let config_path = dir.path().join("server.conf");
         std::fs::write(&config_path, config).expect("write server config");
         Self {
             name: name.to_owned(),
             binary: options.binary,
+            env: options.env.clone(),
             port,
             monitor_port,
             log_path: dir.path().join("server.log"),
@@ -145,6 +157,7 @@ impl NatsServer {
         command
             .arg("-c")
             .arg(&self.config_path)
+            .envs(self.env.iter().cloned())
             .stdin(Stdio::null())
             .stdout(log.try_clone().expect("log"))
             .stderr(log);
