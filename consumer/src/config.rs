@@ -23,7 +23,12 @@
 //! [cuda.vae]  conv_max_workspace = false
 //! [telemetry] listen = "127.0.0.1:9400"   # the default; a pod or a remote scraper needs another
 //! [priorities] p1_max_wait = "20s", p2_max_wait = "60s"
+//! [attempts]  max_failures = 5, backoff = "2s", max_backoff = "60s"   # failed attempts, not deliveries
+//! [degrade]   min_side = 512       # the ladder's floor for jobs that name none
+//! [limits]    max_megapixel_steps = 1000   # and the other bounds of schema::Limits
 //! ```
+//!
+//! Durations are humantime's: `250ms`, `90s`, `10m`, `2h`, `1d`.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -31,6 +36,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
+use shotfleet_schema::names::Named;
 use shotfleet_schema::nats::{NatsArgs, NatsOptions};
 use shotfleet_schema::nats::topology::parse_duration;
 use shotfleet_schema::{Limits, MemoryClass, Priority};
@@ -201,7 +207,7 @@ impl Default for WorkerConfig {
             device: DeviceKind::Cpu,
             gpu: 0,
             model: PathBuf::new(),
-            classes: MemoryClass::ALL.to_vec(),
+            classes: MemoryClass::all().to_vec(),
             concurrency: 1,
             batch_jobs: 1,
             grace_period: Duration::from_secs(60),

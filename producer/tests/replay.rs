@@ -175,7 +175,7 @@ async fn filters_select_by_reason_project_job_and_time() {
 
     let out = shotfleet(&server.url(), &["replay", "--reason", "stale"]).await;
     assert_eq!(out.status.code(), Some(2), "{}", text(&out));
-    assert!(text(&out).contains("expected invalid, oom, max_deliveries or driver"), "{}", text(&out));
+    assert!(text(&out).contains("expected invalid, oom, attempts, max_deliveries or driver"), "{}", text(&out));
     let out = shotfleet(&server.url(), &["replay", "--since", "yesterday"]).await;
     assert_eq!(out.status.code(), Some(2), "{}", text(&out));
     assert_eq!(count(&js, subject::FAILED_STREAM).await, 3);

@@ -12,14 +12,29 @@
 //! | `l` | 2,359,296 (1536 x 1536) | 1536x1536, 1216x1824 |
 //! | `xl` | anything larger | 2048x2048 |
 
-use std::fmt;
-use std::str::FromStr;
-
 use serde::{Deserialize, Serialize};
 
+use crate::names::Named;
+
 /// A job's memory class, smallest first (the order is meaningful: `Xs < S < ... < Xl`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    PartialOrd,
+    Ord,
+    Hash,
+    Serialize,
+    Deserialize,
+    strum::EnumString,
+    strum::IntoStaticStr,
+    strum::Display,
+    strum::VariantArray,
+)]
 #[serde(rename_all = "lowercase")]
+#[strum(serialize_all = "lowercase", parse_err_ty = String, parse_err_fn = crate::names::unknown::<MemoryClass>)]
 pub enum MemoryClass {
     Xs,
     S,
@@ -28,10 +43,11 @@ pub enum MemoryClass {
     Xl,
 }
 
-impl MemoryClass {
-    /// Every class, smallest first.
-    pub const ALL: [MemoryClass; 5] = [Self::Xs, Self::S, Self::M, Self::L, Self::Xl];
+impl Named for MemoryClass {
+    const WHAT: &'static str = "memory class";
+}
 
+impl MemoryClass {
     /// The largest pixel count of one image in this class (`None` for `xl`: unbounded).
     pub const fn max_pixels(self) -> Option<u64> {
         match self {
@@ -46,38 +62,11 @@ impl MemoryClass {
     /// The class of one `width x height` image.
     pub fn of_size(width: u32, height: u32) -> Self {
         let pixels = u64::from(width) * u64::from(height);
-        Self::ALL
-            .into_iter()
+        Self::all()
+            .iter()
+            .copied()
             .find(|class| class.max_pixels().is_none_or(|max| pixels <= max))
             .unwrap_or(Self::Xl)
-    }
-
-    /// The subject token.
-    pub const fn as_str(self) -> &'static str {
-        match self {
-            Self::Xs => "xs",
-            Self::S => "s",
-            Self::M => "m",
-            Self::L => "l",
-            Self::Xl => "xl",
-        }
-    }
-}
-
-impl fmt::Display for MemoryClass {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-impl FromStr for MemoryClass {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        Self::ALL
-            .into_iter()
-            .find(|class| class.as_str() == s)
-            .ok_or_else(|| format!("unknown memory class `{s}`; expected one of xs, s, m, l, xl"))
     }
 }
 
@@ -101,9 +90,9 @@ mod tests {
     #[test]
     fn classes_are_ordered_by_size_and_round_trip() {
         assert!(MemoryClass::Xs < MemoryClass::Xl);
-        for class in MemoryClass::ALL {
+        for &class in MemoryClass::all() {
             assert_eq!(class.as_str().parse::<MemoryClass>(), Ok(class));
         }
-        assert!("auto".parse::<MemoryClass>().is_err());
+        assert_eq!("auto".parse::<MemoryClass>().unwrap_err(), "unknown memory class `auto`; expected xs, s, m, l or xl");
     }
 }

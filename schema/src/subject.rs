@@ -13,6 +13,7 @@ use std::fmt;
 use std::str::FromStr;
 
 use crate::class::MemoryClass;
+use crate::names::Named;
 
 /// The work-queue stream holding jobs.
 pub const JOBS_STREAM: &str = "SHOTS";
@@ -25,45 +26,35 @@ pub const FAILED_STREAM: &str = "SHOTS_FAILED";
 pub const ROOT: &str = "shots";
 
 /// A job's urgency: `p0` (urgent, anchor shots) before `p1` (normal) before `p2` (backfill).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    PartialOrd,
+    Ord,
+    Hash,
+    strum::EnumString,
+    strum::IntoStaticStr,
+    strum::Display,
+    strum::VariantArray,
+)]
+#[strum(serialize_all = "lowercase", parse_err_ty = String, parse_err_fn = crate::names::unknown::<Priority>)]
 pub enum Priority {
     P0,
     P1,
     P2,
 }
 
+impl Named for Priority {
+    const WHAT: &'static str = "priority";
+}
+
 impl Priority {
-    /// Every priority, most urgent first.
-    pub const ALL: [Priority; 3] = [Self::P0, Self::P1, Self::P2];
-
-    pub const fn as_str(self) -> &'static str {
-        match self {
-            Self::P0 => "p0",
-            Self::P1 => "p1",
-            Self::P2 => "p2",
-        }
-    }
-
     /// 0 for `p0`, the most urgent.
     pub const fn rank(self) -> usize {
         self as usize
-    }
-}
-
-impl fmt::Display for Priority {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-impl FromStr for Priority {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        Self::ALL
-            .into_iter()
-            .find(|p| p.as_str() == s)
-            .ok_or_else(|| format!("unknown priority `{s}`; expected p0, p1 or p2"))
     }
 }
 
@@ -75,7 +66,7 @@ pub enum SubjectClass {
 }
 
 impl SubjectClass {
-    pub const fn as_str(self) -> &'static str {
+    pub fn as_str(self) -> &'static str {
         match self {
             Self::Class(class) => class.as_str(),
             Self::Auto => "auto",
@@ -121,12 +112,12 @@ pub fn failed(priority: Priority, project: &str) -> String {
 /// published to any other subject (`shots.p0.bogus.acme`, a typo'd class) is refused by the
 /// server at publish time instead of waiting in the stream for a consumer that never comes.
 pub fn jobs_stream_subjects() -> Vec<String> {
-    Priority::ALL.iter().flat_map(|p| job_classes().map(move |c| consumer(*p, c).1)).collect()
+    Priority::all().iter().flat_map(|p| job_classes().map(move |c| consumer(*p, c).1)).collect()
 }
 
 /// Every class token of a job subject: the memory classes and `auto`.
 pub fn job_classes() -> impl Iterator<Item = SubjectClass> {
-    MemoryClass::ALL.into_iter().map(SubjectClass::Class).chain([SubjectClass::Auto])
+    MemoryClass::all().iter().copied().map(SubjectClass::Class).chain([SubjectClass::Auto])
 }
 
 /// The subjects the results stream captures.

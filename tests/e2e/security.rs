@@ -129,7 +129,7 @@ async fn each_role_does_its_commands_and_nothing_more() {
 
     // Operator: the topology.
     let out = shotfleet(&url, &OPERATOR.env(), &["setup"]).await;
-    assert!(out.status.success() && text(&out).contains("21 created"), "operator setup: {}", text(&out));
+    assert!(out.status.success() && text(&out).contains("22 created"), "operator setup: {}", text(&out));
 
     // Worker: starts (stream and consumer info, the advisory subscription) and renders.
     let store = dir.path().join("images");

@@ -428,6 +428,7 @@ impl Inner {
 
 #[cfg(test)]
 mod tests {
+    use shotfleet_schema::names::Named;
     use super::*;
 
     /// A card whose readings the test sets: exact numbers for the arithmetic.
@@ -514,9 +515,9 @@ mod tests {
     fn admission_counts_jobs_per_class_at_its_largest_size() {
         // 1340 MiB of room; planned one-image needs: xs 365.2, s 409.2, m 470.8, l 646.8, xl 893.2 MiB.
         let (budget, _) = budget(card(0, 1500 * MIB, true));
-        let admission = budget.admit(&MemoryClass::ALL).unwrap();
+        let admission = budget.admit(MemoryClass::all()).unwrap();
         assert_eq!(admission.water, Water::More, "61% used");
-        let jobs: Vec<u32> = MemoryClass::ALL.iter().map(|&c| admission.jobs(c)).collect();
+        let jobs: Vec<u32> = MemoryClass::all().iter().map(|&c| admission.jobs(c)).collect();
         assert_eq!(jobs, [3, 3, 2, 2, 1]);
         // Asked only for some classes, it answers only for those.
         assert_eq!(
@@ -530,20 +531,20 @@ mod tests {
         // 800 MiB of idle cache: room 540 MiB holds xs..m, not l (646.8) or xl (893.2); given
         // back, the room is 1340 MiB and holds all five.
         let (cached, _) = budget(card(800 * MIB, 1500 * MIB, true));
-        let admission = cached.admit(&MemoryClass::ALL).unwrap();
+        let admission = cached.admit(MemoryClass::all()).unwrap();
         assert_eq!(admission.classes(), [MemoryClass::Xs, MemoryClass::S, MemoryClass::M]);
-        assert!(cached.shrinking_opens(&MemoryClass::ALL).unwrap());
+        assert!(cached.shrinking_opens(MemoryClass::all()).unwrap());
         // No cache, another process holds the card: xl is out, and a shrink would not change it.
         let (crowded, _) = budget(card(0, 2000 * MIB, true));
-        let admission = crowded.admit(&MemoryClass::ALL).unwrap();
+        let admission = crowded.admit(MemoryClass::all()).unwrap();
         assert_eq!(admission.jobs(MemoryClass::Xl), 0);
-        assert!(!crowded.shrinking_opens(&MemoryClass::ALL).unwrap());
+        assert!(!crowded.shrinking_opens(MemoryClass::all()).unwrap());
         // Everything fits: nothing to open.
         let (roomy, _) = budget(card(800 * MIB, 0, true));
-        assert!(!roomy.shrinking_opens(&MemoryClass::ALL).unwrap());
+        assert!(!roomy.shrinking_opens(MemoryClass::all()).unwrap());
         // Our usage unknown: a class left out may be our cache's doing.
         let (unknown, _) = budget(card(800 * MIB, 1500 * MIB, false));
-        assert!(unknown.shrinking_opens(&MemoryClass::ALL).unwrap());
+        assert!(unknown.shrinking_opens(MemoryClass::all()).unwrap());
     }
 
     #[test]
@@ -577,13 +578,13 @@ mod tests {
         let (budget, probe) = budget(filled(0.93));
         assert!(budget.status().unwrap().available > budget.planned(512, 512, 1), "the plan alone would admit xs");
         assert_eq!(budget.water().unwrap(), Water::Stop);
-        assert!(budget.admit(&MemoryClass::ALL).unwrap().fits.is_empty());
+        assert!(budget.admit(MemoryClass::all()).unwrap().fits.is_empty());
         *probe.0.lock().unwrap() = filled(0.88);
         assert_eq!(budget.water().unwrap(), Water::Lower);
-        assert!(!budget.admit(&MemoryClass::ALL).unwrap().fits.is_empty());
+        assert!(!budget.admit(MemoryClass::all()).unwrap().fits.is_empty());
         assert_eq!(budget.largest_batch(64, 64, 4).unwrap(), 2, "lower water halves the batch");
         *probe.0.lock().unwrap() = filled(0.5);
-        assert_eq!(budget.admit(&MemoryClass::ALL).unwrap().water, Water::More);
+        assert_eq!(budget.admit(MemoryClass::all()).unwrap().water, Water::More);
         assert_eq!(budget.largest_batch(64, 64, 4).unwrap(), 4);
     }
 

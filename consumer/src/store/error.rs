@@ -1,6 +1,5 @@
 //! Store errors, and the one decision callers make from them: their [`StoreErrorKind`].
 
-use std::fmt;
 use std::time::Duration;
 
 use object_store::client::{HttpError, HttpErrorKind};
@@ -25,23 +24,13 @@ pub enum StoreErrorKind {
 }
 
 /// Which storage call failed.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, strum::Display)]
+#[strum(serialize_all = "lowercase")]
 pub enum Op {
     Put,
     Get,
     List,
     Delete,
-}
-
-impl fmt::Display for Op {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Self::Put => "put",
-            Self::Get => "get",
-            Self::List => "list",
-            Self::Delete => "delete",
-        })
-    }
 }
 
 /// A store failure. Messages name the setting, key or location involved; none carries a secret

@@ -1,4 +1,4 @@
-//! Bounded retries with exponential backoff for storage calls.
+//! Bounded retries with exponential backoff for storage calls (backon).
 //!
 //! This is the only retry layer: object_store's own HTTP retries are switched off (see
 //! `config.rs`) so that attempts, total time and what gets logged are decided here, once.
@@ -6,7 +6,10 @@
 //! objects succeed, lists and gets read.
 
 use std::future::Future;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
+
+use backon::{ExponentialBuilder, Retryable};
 
 use serde::Deserialize;
 use tokio::time::Instant;
@@ -49,50 +52,45 @@ impl RetryConfig {
 }
 
 /// Runs `attempt` until it succeeds, fails with a non-transient error, or the budget in `config`
-/// is spent. `target` names the key or prefix in logs and errors.
-pub(crate) async fn retrying<T, F, Fut>(
-    config: &RetryConfig,
-    op: Op,
-    target: &str,
-    mut attempt: F,
-) -> Result<T, StoreError>
+/// is spent (attempts, or total time waiting). `target` names the key or prefix in logs and
+/// errors. The backoff is exponential with jitter (backon), so fifty workers that lost the
+/// endpoint together do not come back in step.
+pub(crate) async fn retrying<T, F, Fut>(config: &RetryConfig, op: Op, target: &str, mut attempt: F) -> Result<T, StoreError>
 where
     F: FnMut() -> Fut,
     Fut: Future<Output = Result<T, object_store::Error>>,
 {
     let start = Instant::now();
-    let max_elapsed = Duration::from_millis(config.max_elapsed_ms);
-    let mut backoff = Duration::from_millis(config.initial_backoff_ms);
-    let mut attempts = 0;
-    loop {
-        attempts += 1;
-        let source = match attempt().await {
-            Ok(value) => return Ok(value),
-            Err(source) => source,
-        };
-        let kind = classify(op, &source);
-        let delay = jittered(backoff);
-        let elapsed = start.elapsed();
-        if kind != StoreErrorKind::Transient || attempts >= config.max_attempts || elapsed + delay > max_elapsed {
-            return Err(StoreError::Operation { op, target: target.to_owned(), attempts, elapsed, kind, source });
-        }
-        warn!(%op, target, attempt = attempts, retry_in_ms = delay.as_millis() as u64, error = %source, "store call failed; retrying");
-        tokio::time::sleep(delay).await;
-        backoff = (backoff * 2).min(Duration::from_millis(config.max_backoff_ms));
-    }
-}
-
-/// Half the backoff fixed, half random, so fifty workers that lost the endpoint together do not
-/// come back in step.
-fn jittered(backoff: Duration) -> Duration {
-    let half = backoff / 2;
-    half + half.mul_f64(rand::random::<f64>())
+    let attempts = AtomicU32::new(0);
+    let backoff = ExponentialBuilder::new()
+        .with_min_delay(Duration::from_millis(config.initial_backoff_ms))
+        .with_max_delay(Duration::from_millis(config.max_backoff_ms))
+        .with_max_times(config.max_attempts.saturating_sub(1) as usize)
+        .with_total_delay(Some(Duration::from_millis(config.max_elapsed_ms)))
+        .with_jitter();
+    let result = (|| {
+        attempts.fetch_add(1, Ordering::Relaxed);
+        attempt()
+    })
+    .retry(backoff)
+    .sleep(tokio::time::sleep)
+    .when(|e| classify(op, e) == StoreErrorKind::Transient)
+    .notify(|e, delay| {
+        warn!(%op, target, attempt = attempts.load(Ordering::Relaxed), retry_in_ms = delay.as_millis() as u64, error = %e, "store call failed; retrying");
+    })
+    .await;
+    result.map_err(|source| StoreError::Operation {
+        op,
+        target: target.to_owned(),
+        attempts: attempts.load(Ordering::Relaxed),
+        elapsed: start.elapsed(),
+        kind: classify(op, &source),
+        source,
+    })
 }
 
 #[cfg(test)]
 mod tests {
-    use std::sync::atomic::{AtomicU32, Ordering};
-
     use super::*;
 
     fn transient() -> object_store::Error {
@@ -150,13 +148,5 @@ mod tests {
         .unwrap_err();
         assert_eq!(calls.load(Ordering::SeqCst), 1);
         assert_eq!(err.kind(), StoreErrorKind::Permanent);
-    }
-
-    #[test]
-    fn jitter_stays_within_half_and_full_backoff() {
-        for _ in 0..100 {
-            let d = jittered(Duration::from_millis(100));
-            assert!(d >= Duration::from_millis(50) && d <= Duration::from_millis(100), "{d:?}");
-        }
     }
 }

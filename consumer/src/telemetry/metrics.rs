@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use metrics::{Unit, counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+use shotfleet_schema::names::Named;
 use shotfleet_schema::{Priority, SubjectClass};
 
 use super::TelemetryError;
@@ -38,7 +39,8 @@ const UPLOAD_BUCKETS: &[f64] = &[0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.
 const ESTIMATE_ERROR_BUCKETS: &[f64] = &[-0.5, -0.25, -0.1, -0.05, 0.0, 0.05, 0.1, 0.25, 0.5, 1.0];
 
 /// How a job left this worker; the `outcome` label of `shotfleet_jobs_total`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, strum::IntoStaticStr, strum::VariantArray)]
+#[strum(serialize_all = "snake_case")]
 #[non_exhaustive]
 pub enum JobOutcome {
     /// Rendered at full quality, result published, acked.
@@ -58,26 +60,9 @@ pub enum JobOutcome {
 }
 
 impl JobOutcome {
-    pub const ALL: [JobOutcome; 7] = [
-        Self::Done,
-        Self::Degraded,
-        Self::Failed,
-        Self::Nak,
-        Self::Routed,
-        Self::DegradeRepublished,
-        Self::DuplicateSkip,
-    ];
-
-    pub const fn as_str(self) -> &'static str {
-        match self {
-            Self::Done => "done",
-            Self::Degraded => "degraded",
-            Self::Failed => "failed",
-            Self::Nak => "nak",
-            Self::Routed => "routed",
-            Self::DegradeRepublished => "degrade_republished",
-            Self::DuplicateSkip => "duplicate_skip",
-        }
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        self.into()
     }
 }
 

@@ -85,7 +85,10 @@ async fn rescue(shared: &Shared, advisory: MaxDeliveries) {
         job: job.as_ref(),
         last_outcome,
     };
-    let detail = format!("no worker finished it in {} deliveries (the last one ended without an answer)", advisory.deliveries);
+    let detail = format!(
+        "no worker settled it in {} deliveries, the consumer's max_deliver (workers died on it, or gave it back each time)",
+        advisory.deliveries
+    );
     let job_id = job.as_ref().map_or("?", |j| j.job_id.as_str());
     match failed::record(shared, &case, FailureReason::MaxDeliveries, &detail, advisory.deliveries).await {
         Recorded::Failed => remove(&stream, advisory.stream_seq, job_id, "job past max deliveries moved to the failed stream").await,

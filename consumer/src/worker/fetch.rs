@@ -10,6 +10,7 @@ use std::time::Instant;
 use async_nats::jetstream::consumer::PullConsumer;
 use async_nats::jetstream::stream::Stream;
 use futures::StreamExt;
+use shotfleet_schema::names::Named;
 use shotfleet_schema::subject::{self, Priority, SubjectClass};
 use shotfleet_schema::MemoryClass;
 
@@ -31,7 +32,7 @@ impl Consumers {
     pub async fn bind(stream: &Stream, classes: &[MemoryClass]) -> Result<Self, String> {
         let mut render = Vec::new();
         let mut auto = Vec::new();
-        for priority in Priority::ALL {
+        for &priority in Priority::all() {
             let served = classes.iter().map(|c| SubjectClass::Class(*c));
             for class in served.chain([SubjectClass::Auto]) {
                 let (name, _) = subject::consumer(priority, class);
@@ -49,11 +50,13 @@ impl Consumers {
         Ok(Self { render, auto })
     }
 
-    /// The consumers' `ack_wait` (all share the topology's): keep-alives go well inside it.
-    pub async fn ack_wait(&mut self) -> Result<std::time::Duration, String> {
+    /// The consumers' `ack_wait` (keep-alives go well inside it) and `max_deliver`; all share
+    /// the topology's.
+    pub async fn limits(&mut self) -> Result<(std::time::Duration, u64), String> {
         let (_, consumer) = self.render.first_mut().ok_or("no consumers")?;
         let info = consumer.info().await.map_err(|e| e.to_string())?;
-        Ok(info.config.ack_wait)
+        let max_deliver = u64::try_from(info.config.max_deliver).ok().filter(|&n| n > 0).unwrap_or(u64::MAX);
+        Ok((info.config.ack_wait, max_deliver))
     }
 
     /// Up to `slots` jobs that fit `admission`, polled in the scheduler's order.

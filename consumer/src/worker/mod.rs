@@ -95,6 +95,9 @@ pub struct Shared {
     pub attempts: attempts::Attempts,
     /// What `/readyz` says.
     pub health: Health,
+    /// The consumers' `max_deliver`: a job failing on that delivery is not delivered again, so
+    /// it is failed at once whatever its count of failed attempts.
+    pub max_deliver: u64,
     pub budget: Budget,
     pub probe: Arc<dyn crate::budget::GpuProbe>,
     /// Measures each render's peak for the budget to learn from (one at a time: with
@@ -245,7 +248,7 @@ pub async fn run(
     let advisories = advisory::subscribe(&client).await.map_err(|e| WorkerError::start("listen for max-delivery advisories", e))?;
     let mut consumers =
         fetch::Consumers::bind(&jobs_stream, &config.classes).await.map_err(|e| WorkerError::start("bind consumers", e))?;
-    let ack_wait = consumers.ack_wait().await.map_err(|e| WorkerError::start("read consumer limits", e))?;
+    let (ack_wait, max_deliver) = consumers.limits().await.map_err(|e| WorkerError::start("read consumer limits", e))?;
     let attempts = attempts::Attempts::open(&js).await.map_err(|e| WorkerError::start("open the attempts bucket", e))?;
     let store = Store::connect(&config.store, env).await.map_err(|e| WorkerError::start("open the object store", e))?;
 
@@ -261,6 +264,7 @@ pub async fn run(
         store,
         attempts,
         health: health.clone(),
+        max_deliver,
         budget: ready.budget,
         probe: ready.probe,
         meter,

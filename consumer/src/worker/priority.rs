@@ -8,6 +8,7 @@
 
 use std::time::{Duration, Instant};
 
+use shotfleet_schema::names::Named;
 use shotfleet_schema::Priority;
 
 use crate::config::PriorityConfig;
@@ -20,7 +21,7 @@ pub struct Scheduler {
 
 impl Scheduler {
     pub fn new(config: &PriorityConfig, now: Instant) -> Self {
-        Self { bounds: Priority::ALL.map(|p| config.max_wait(p)), last_served: [now; 3] }
+        Self { bounds: [Priority::P0, Priority::P1, Priority::P2].map(|p| config.max_wait(p)), last_served: [now; 3] }
     }
 
     /// The order to poll in now: overdue priorities first (most overdue first), then the rest
@@ -30,10 +31,10 @@ impl Scheduler {
             self.bounds[p.rank()].and_then(|bound| now.duration_since(self.last_served[p.rank()]).checked_sub(bound))
         };
         let mut overdue: Vec<(Duration, Priority)> =
-            Priority::ALL.into_iter().filter_map(|p| overdue_by(p).map(|d| (d, p))).collect();
+            Priority::all().iter().filter_map(|&p| overdue_by(p).map(|d| (d, p))).collect();
         overdue.sort_by_key(|&(by, _)| std::cmp::Reverse(by));
         let mut order: Vec<Priority> = overdue.iter().map(|(_, p)| *p).collect();
-        let rest: Vec<Priority> = Priority::ALL.into_iter().filter(|p| !order.contains(p)).collect();
+        let rest: Vec<Priority> = Priority::all().iter().copied().filter(|p| !order.contains(p)).collect();
         order.extend(rest);
         order
     }

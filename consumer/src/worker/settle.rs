@@ -121,7 +121,8 @@ async fn failed_attempt(shared: &Shared, held: &Held<'_>, detail: &str) -> JobOu
             return JobOutcome::Nak;
         }
     };
-    if failures >= attempts.max_failures {
+    // On the consumer's last delivery the server would not deliver the job again.
+    if failures >= attempts.max_failures || delivery.attempt >= shared.max_deliver {
         let detail = format!("failed {failures} attempt(s); the last: {detail}");
         return fail(shared, held, FailureReason::Attempts, &detail, u64::from(failures)).await;
     }

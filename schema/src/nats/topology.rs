@@ -18,6 +18,7 @@ use std::time::Duration;
 use async_nats::jetstream::{self, consumer, stream};
 use serde::{Deserialize, Serialize};
 
+use crate::names::Named;
 use crate::subject::{self, Priority, SubjectClass};
 
 /// The tunable parts of the topology.
@@ -156,8 +157,9 @@ impl Topology {
     /// The render consumers: one per (priority, class), `auto` included.
     pub fn consumers(&self) -> Vec<consumer::pull::Config> {
         let classes: Vec<SubjectClass> = subject::job_classes().collect();
-        Priority::ALL
-            .into_iter()
+        Priority::all()
+            .iter()
+            .copied()
             .flat_map(|priority| classes.iter().map(move |class| (priority, *class)))
             .map(|(priority, class)| {
                 let (name, filter) = subject::consumer(priority, class);
