@@ -159,6 +159,13 @@ impl Drop for Worker {
 impl Worker {
     /// Starts a worker against `nats_url` and waits until `/readyz` says it takes jobs.
     pub fn start(nats_url: &str, spec: WorkerSpec) -> Self {
+        let mut worker = Self::spawn(nats_url, spec);
+        worker.wait_ready(Duration::from_secs(60));
+        worker
+    }
+
+    /// Starts a worker against `nats_url` without waiting for it to be ready.
+    pub fn spawn(nats_url: &str, spec: WorkerSpec) -> Self {
         let dir = tempfile::tempdir().expect("worker dir");
         let metrics_port = free_port();
         let config = dir.path().join("worker.toml");
@@ -175,9 +182,7 @@ impl Worker {
             .stdout(log.try_clone().unwrap())
             .stderr(log);
         let process = Guarded::spawn(command).expect("spawn shotfleet-consumer");
-        let mut worker = Self { spec, metrics_port, process, dir };
-        worker.wait_ready(Duration::from_secs(60));
-        worker
+        Self { spec, metrics_port, process, dir }
     }
 
     fn wait_ready(&mut self, timeout: Duration) {

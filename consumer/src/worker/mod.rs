@@ -6,13 +6,15 @@
 //! in-flight jobs the grace period, cancels what is left (naked at once, so other workers take
 //! it) and drains the connection.
 //!
-//! - [`startup`]: load, calibrate, fitness render;
+//! - [`startup`]: load, calibrate ([`calibrate`]), fitness render; [`serving`]: the classes the
+//!   calibrated budget holds;
 //! - [`fetch`]: which consumers, how many jobs, in which order ([`priority`]);
 //! - [`job`]: one job's steps; [`commit`]: the result as the commit point;
 //! - [`route`]: `auto` and wrong-class jobs; [`failed`]: failed records;
 //! - [`delivery`]: a fetched message and its acks.
 
 pub mod advisory;
+pub mod calibrate;
 pub mod check;
 pub mod commit;
 pub mod degrade;
@@ -24,6 +26,7 @@ pub mod job;
 pub mod leak;
 pub mod priority;
 pub mod route;
+pub mod serving;
 pub mod startup;
 
 use std::future::Future;
@@ -54,6 +57,12 @@ pub enum WorkerError {
     /// Memory crept up and survived a session rebuild; restart the process (`EXIT_RESTART`).
     #[error("restart needed: {0}")]
     Restart(String),
+    /// The card holds none of the classes the worker may serve (`EXIT_CONFIG`): it needs a larger
+    /// card or share, fewer other processes on it, or other classes.
+    #[error(
+        "this card holds nothing this worker may serve; give it a larger card or `[budget] max_mib`, move other processes off the card, or change `classes`: {0}"
+    )]
+    NothingFits(String),
 }
 
 impl WorkerError {
@@ -63,6 +72,7 @@ impl WorkerError {
             Self::Start { .. } => 3,
             Self::DriverFault(_) => crate::failure::EXIT_DRIVER_FAULT,
             Self::Restart(_) => crate::failure::EXIT_RESTART,
+            Self::NothingFits(_) => crate::failure::EXIT_CONFIG,
         }
     }
 }
@@ -220,6 +230,8 @@ pub async fn run(
 
     health.set_not_ready("loading models and calibrating");
     let ready = startup::prepare(&config).await.inspect_err(|e| health.set_not_ready(e.to_string()))?;
+    // Consumers were bound for every candidate class; from here on only those served are fetched.
+    let config = serving::serve(config, &ready.classes, &health).inspect_err(|e| health.set_not_ready(e.to_string()))?;
     let device_name = ready.probe.snapshot().map(|s| s.device).unwrap_or_else(|_| "unknown".into());
     let progress_interval = config.progress_interval.map(|s| s.0).unwrap_or(ack_wait / 3).max(Duration::from_millis(100));
     let meter = (config.concurrency == 1).then_some(ready.meter);
@@ -246,7 +258,7 @@ pub async fn run(
         watch_driver_events(&shared, gpu, watching.clone());
     }
     health.set_ready();
-    info!(worker = %shared.config.worker_id, classes = ?shared.config.classes, "taking jobs");
+    info!(worker = %shared.config.worker_id, classes = %shared.config.classes, "taking jobs");
 
     let tracker = TaskTracker::new();
     let mut guard = leak::LeakGuard::new(&shared).await;
