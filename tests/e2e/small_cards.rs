@@ -141,3 +141,47 @@ async fn a_share_of_a_large_card_behaves_as_a_small_card() {
     let done = results(&outcomes(&js, &jobs, Duration::from_secs(90)).await);
     assert_eq!(done.len(), 4);
 }
+
+/// `[budget] cold_renders`: every render gives its arenas back at its end, so a small job after
+/// a large one starts from (nearly) the models alone instead of the large one's arena cache. On
+/// the CPU the process keeps some memory that a GPU's arenas would give back, so this compares
+/// what the small job found held at its start, with and without. Each graph keeps its own
+/// arena here, as on a GPU (a capped CPU arena is one for all graphs, which every VAE decode
+/// shrinks anyway).
+#[tokio::test]
+async fn cold_renders_start_every_job_without_the_last_ones_cache() {
+    let server = NatsServer::start();
+    let js = jetstream_with(&server.url(), &Topology::default()).await;
+    let store = tempfile::tempdir().unwrap();
+    let mut held = Vec::new();
+    for (id, budget) in [("measuring", "cold_renders = true"), ("plain", "")] {
+        let mut spec = WorkerSpec::new(id, store.path());
+        spec.budget = budget;
+        // Queued before the worker starts: the p0 512x512 job renders first, the 128x128 one next.
+        let (large, small) = (format!("{id}-large"), format!("{id}-small"));
+        let jobs = [shot(Priority::P0, job(&large, "acme", (512, 512), 2, 1)), shot(Priority::P1, job(&small, "acme", (128, 128), 2, 1))];
+        submit(&js, &jobs).await;
+        let worker = Worker::start(&server.url(), spec);
+        assert_eq!(results(&outcomes(&js, &jobs, Duration::from_secs(60)).await).len(), 2);
+        let log = plain(&worker.log());
+        let line = log.lines().find(|l| l.contains("observed peak") && l.contains(&small)).unwrap_or_else(|| panic!("no observed peak:\n{log}"));
+        let mib = line.split("held_at_start_mib=").nth(1).and_then(|v| v.split_whitespace().next()).and_then(|v| v.parse::<u64>().ok());
+        held.push(mib.unwrap_or_else(|| panic!("no held_at_start_mib in {line}")));
+    }
+    // The 512x512 UNet's arena (about 70 MiB on the tiny model) is what the plain worker kept.
+    assert!(held[0] + 40 < held[1], "held at the small job's start: {} MiB with cold_renders, {} MiB without", held[0], held[1]);
+}
+
+/// A log without its colour codes.
+fn plain(log: &str) -> String {
+    let mut out = String::with_capacity(log.len());
+    let mut chars = log.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            chars.by_ref().find(|&c| c == 'm');
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}

@@ -42,6 +42,12 @@ pub struct BudgetConfig {
     /// ran before, and the estimate, fitted to probes that start from shrunk arenas, can run
     /// low (+40% at 768x768 x 4 on 2026-11-30). Off by default: the budget's figures hold.
     pub vae_keeps_arena: bool,
+    /// Every job's render gives its arenas back at its end, so the next one starts from the
+    /// models alone and its observed peak is its own: with `concurrency = 1` the estimate then
+    /// learns from every job and `shotfleet_estimate_error_ratio{start="cold"}` covers them all.
+    /// Costs the arenas' regrowth per job. Off by default; for measuring the budget on a card
+    /// (the GPU lease's `mixed-1000` run).
+    pub cold_renders: bool,
     /// The most of its card this worker may use, MiB: its models, its renders and `reserve_mib`
     /// together. For sharing one large card between workers (give each its share) or for
     /// behaving as a smaller card on a large one. The worker then takes its card to be
@@ -68,6 +74,7 @@ impl Default for BudgetConfig {
             learn_window: 64,
             snapshot_max_age_ms: 75,
             vae_keeps_arena: false,
+            cold_renders: false,
             max_mib: None,
             simulate: None,
         }

@@ -349,6 +349,10 @@ async fn fetch_loop(shared: &Arc<Shared>, consumers: &fetch::Consumers, tracker:
                         let shared = shared.clone();
                         let finished = finished.clone();
                         batch.iter().for_each(|_| guard.job_started());
+                        if shared.config.budget.cold_renders {
+                            // This job's render gives its arenas back at its end: the next starts cold.
+                            shared.pipeline().request_arena_shrink();
+                        }
                         tracker.spawn(async move {
                             match <[_; 1]>::try_from(batch) {
                                 Ok([delivery]) => job::handle(shared, delivery).await,
