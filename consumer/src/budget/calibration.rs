@@ -84,8 +84,10 @@ impl Calibration {
         let ceiling = self.probes.iter().find(|p| matches!(p.outcome, ProbeOutcome::OutOfMemory { .. }) && p.shape.fits_within(&shape));
         let skip = match (ceiling, self.predicted(shape)) {
             (Some(ceiling), _) => Some(ProbeOutcome::OverCeiling { ceiling: ceiling.shape }),
+            // No room at all: nothing renders in it, whatever it is.
+            (None, need) if room == 0 => Some(ProbeOutcome::OverRoom { planned: self.planned(need.unwrap_or(0)), room }),
             (None, Some(need)) => {
-                let planned = (need as f64 * (1.0 + self.safety)).ceil() as u64;
+                let planned = self.planned(need);
                 (planned > room).then_some(ProbeOutcome::OverRoom { planned, room })
             }
             (None, None) => None,
@@ -94,6 +96,11 @@ impl Calibration {
             self.probes.push(ProbeRecord { shape, outcome });
         }
         skip
+    }
+
+    /// What admission would plan for a need of `need` bytes.
+    fn planned(&self, need: u64) -> u64 {
+        (need as f64 * (1.0 + self.safety)).ceil() as u64
     }
 
     /// `shape` rendered with a peak of `peak` bytes above the models.
@@ -181,7 +188,8 @@ fn describe(probes: &[ProbeRecord]) -> String {
             let shape = format!("{}x{}x{}", p.shape.width, p.shape.height, p.shape.images);
             match p.outcome {
                 ProbeOutcome::Measured { peak } => format!("{shape} peaked at {} MiB", mib(peak)),
-                ProbeOutcome::OverRoom { planned, room } => format!("{shape} would need {} MiB, {} MiB of room", mib(planned), mib(room)),
+                ProbeOutcome::OverRoom { room: 0, .. } => format!("{shape} not rendered: no room beside the models"),
+                ProbeOutcome::OverRoom { planned, room } => format!("{shape} not rendered: {} MiB planned, {} MiB of room", mib(planned), mib(room)),
                 ProbeOutcome::OverCeiling { ceiling } => {
                     format!("{shape} is larger than {}x{}x{}, which ran out of memory", ceiling.width, ceiling.height, ceiling.images)
                 }
@@ -274,6 +282,10 @@ mod tests {
         let estimate = calibration.estimate().unwrap();
         assert_eq!(estimate.need(square(512, 1)), 2400 * MIB);
         assert!(estimate.need(square(512, 2)) >= 2 * 2400 * MIB - 1, "in proportion to the batch: errs high");
+
+        let mut crowded = Calibration::new(0.10);
+        assert_eq!(crowded.plan(square(512, 1), 0), Some(ProbeOutcome::OverRoom { planned: 0, room: 0 }), "no room, no render");
+        assert!(crowded.estimate().unwrap_err().to_string().contains("512x512x1 not rendered: no room beside the models"));
 
         let mut nothing = Calibration::new(0.10);
         nothing.ran_out(square(512, 1), 1800 * MIB);

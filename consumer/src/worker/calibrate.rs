@@ -56,7 +56,9 @@ pub(crate) async fn calibrate(
     // The room the classes are judged against is the idle worker's: the last probe's cache given back.
     shrink(pipeline).await?;
     let estimate = calibration.estimate().map_err(|e| match e {
-        budget::CalibrationError::NothingMeasured { .. } => WorkerError::NothingFits(format!("{e}")),
+        budget::CalibrationError::NothingMeasured { .. } => {
+            WorkerError::NothingFits(format!("{e} (the models take {} MiB of the card)", resident / budget::MIB))
+        }
         other => WorkerError::start("calibrate the budget", other),
     })?;
     Ok((estimate, calibration))
