@@ -181,6 +181,9 @@ impl Calibration {
 
 /// `512x512x1 out of memory with 1800 MiB of room, ...`: the probes for an error message.
 fn describe(probes: &[ProbeRecord]) -> String {
+    if probes.iter().all(|p| matches!(p.outcome, ProbeOutcome::OverRoom { room: 0, .. })) {
+        return format!("no room at all beside the models for any of the {} probes", probes.len());
+    }
     let mib = |bytes: u64| bytes / super::MIB;
     probes
         .iter()
@@ -285,7 +288,8 @@ mod tests {
 
         let mut crowded = Calibration::new(0.10);
         assert_eq!(crowded.plan(square(512, 1), 0), Some(ProbeOutcome::OverRoom { planned: 0, room: 0 }), "no room, no render");
-        assert!(crowded.estimate().unwrap_err().to_string().contains("512x512x1 not rendered: no room beside the models"));
+        assert!(crowded.plan(square(768, 1), 0).is_some());
+        assert!(crowded.estimate().unwrap_err().to_string().ends_with("no room at all beside the models for any of the 2 probes"));
 
         let mut nothing = Calibration::new(0.10);
         nothing.ran_out(square(512, 1), 1800 * MIB);

@@ -28,7 +28,8 @@ pub fn serve(config: WorkerConfig, report: &ClassReport, health: &Health) -> Res
     health.set_detail(report.lines());
     let served = report.served();
     if served.is_empty() {
-        return Err(WorkerError::NothingFits(format!("`classes = {}`:\n{}", config.classes, report.lines())));
+        // One line: the error goes to a log line and the supervisor's status.
+        return Err(WorkerError::NothingFits(format!("`classes = {}`: {}", config.classes, report.lines().replace('\n', "; "))));
     }
     let classes = Classes::List(served);
     info!(configured = %config.classes, serving = %classes, "classes");
