@@ -98,7 +98,14 @@ RESULTS=${RESULTS:-$WORK/results}
 OUT=${OUT:-$RESULTS}
 STAGE_DIR=$RESULTS/fleet-$STAGE
 mkdir -p "$RESULTS" "$OUT" "$WORK" || exit 1
-rm -rf "$STAGE_DIR"
+if [ "$STAGE" = small ] && [ -d "$STAGE_DIR" ]; then
+    # The small stage's runs span calls (long-a in one, long-b in the next): their folders stay,
+    # the last call's memory samples are set aside (fleet_summary.py reads every vram*.csv).
+    [ -f "$STAGE_DIR/vram.csv" ] && mv "$STAGE_DIR/vram.csv" "$STAGE_DIR/vram-$(date +%s).csv"
+    rm -f "$STAGE_DIR/meta.txt"
+else
+    rm -rf "$STAGE_DIR"
+fi
 mkdir -p "$STAGE_DIR" || exit 1
 # shellcheck source=deploy/gpu/fleet-lib.sh
 source "$REPO/deploy/gpu/fleet-lib.sh"

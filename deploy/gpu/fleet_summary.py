@@ -141,12 +141,13 @@ class WorkerLog:
 
 
 class Vram:
-    """NVML memory over the stage: t, device used, the current worker's own, all processes (MiB)."""
+    """NVML memory over the stage: t, device used, the current worker's own, all processes (MiB),
+    from every file given (a stage spanning calls keeps one per call)."""
 
-    def __init__(self, path: Path, baseline: float | None):
+    def __init__(self, paths: list[Path], baseline: float | None):
         self.rows = []
         self.baseline = baseline
-        if path.exists():
+        for path in paths:
             for line in path.read_text().splitlines()[1:]:
                 try:
                     self.rows.append(tuple(float(x) for x in line.split(",")))
@@ -477,10 +478,11 @@ def main() -> None:
     ap.add_argument("--digest", type=Path, default=None)
     args = ap.parse_args()
     meta = read_meta(args.dir / "meta.txt")
-    vram = Vram(args.dir / "vram.csv", fnum(meta, "vram_baseline_mib"))
+    vram = Vram(sorted(args.dir.glob("vram*.csv")), fnum(meta, "vram_baseline_mib"))
     names = []
     if (args.dir / "runs.txt").exists():
-        names = [n for n in (args.dir / "runs.txt").read_text().split() if n]
+        # A run done again in a later call (the small stage keeps its folder) is listed once.
+        names = list(dict.fromkeys(n for n in (args.dir / "runs.txt").read_text().split() if n))
     doc = {"stage": f"fleet-{args.stage}", "device": meta.get("device"), "model": meta.get("model"),
            "deadline_s": fnum(meta, "deadline_s"), "seconds": fnum(meta, "seconds"),
            "vram_baseline_mib": fnum(meta, "vram_baseline_mib")}
