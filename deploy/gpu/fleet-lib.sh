@@ -259,6 +259,21 @@ hog_start() {
     return 1
 }
 
+# pressure_start: another tenant on the card for a run: on the GPU the hog, leaving
+# HOG_KEEP_FREE_GIB (36) free (a hog that fails is recorded and the run goes on without it); on
+# the CPU the simulation's others_used_mib, SIM_OTHERS_MIB (3000), which PRESSURE_SIM_MIB holds for
+# write_config's SIM_OTHERS.
+pressure_start() {
+    PRESSURE_SIM_MIB=0
+    if [ "$DEVICE" = cuda ]; then
+        meta hog_keep_free_gib "${HOG_KEEP_FREE_GIB:-36}"
+        hog_start "${HOG_KEEP_FREE_GIB:-36}" || log "no hog: the run goes on with the whole card (recorded)"
+    else
+        PRESSURE_SIM_MIB=${SIM_OTHERS_MIB:-3000}
+        meta simulated_others_used_mib "$PRESSURE_SIM_MIB"
+    fi
+}
+
 hog_stop() {
     [ -n "$HOG_PID" ] || return 0
     stop_pid "$HOG_PID" TERM 10

@@ -163,23 +163,17 @@ small_pair() {
 }
 
 small_long() {  # a|b: the first or second half of the 1,000-job run
-    local name=long-$1 jobs=${LONG_JOBS:-1000} half slice timeout others=0
+    local name=long-$1 jobs=${LONG_JOBS:-1000} half slice timeout
     wanted long || wanted "$name" || return 0
     half=$((jobs / 2))
     if [ "$1" = a ]; then slice=0:$half; else slice=$half:$jobs; fi
     if [ "$(left)" -lt $((RUN_MIN_S + 100)) ]; then run_skip "$name" "1,000 mixed jobs, half $1" "$(left) s left"; return 0; fi
     if run_begin "$name" "the 1,000-job mixed run under memory pressure, jobs $slice"; then
-        if [ "$DEVICE" = cuda ]; then
-            meta hog_keep_free_gib "${HOG_KEEP_FREE_GIB:-36}"
-            hog_start "${HOG_KEEP_FREE_GIB:-36}" || log "no hog: the run goes on with the whole card (recorded)"
-        else
-            others=${SIM_OTHERS_MIB:-3000}
-            meta simulated_others_used_mib "$others"
-        fi
+        pressure_start
         meta top "concurrency = 1"
         meta cuda "$(tr '\n' ';' <<< "$TUNED"$'\n'"$WS_CAPPED")"
         meta slice "$slice"
-        SIM_OTHERS=$others small_config "$WORK/$name.toml" "concurrency = 1" "cold_renders = true"
+        SIM_OTHERS=$PRESSURE_SIM_MIB small_config "$WORK/$name.toml" "concurrency = 1" "cold_renders = true"
         if worker_start "$WORK/$name.toml"; then
             mixed_jobs long "$jobs" "${LONG_STEPS:-1}" --slice "$slice"
             timeout=$(($(left) - STOP_S - 10))

@@ -278,17 +278,10 @@ budget_mixed() {
     wanted mixed || return 0
     if [ "$(left)" -lt $((RUN_MIN_S + 100)) ]; then run_skip mixed "mixed run under memory pressure" "$(left) s left"; return 0; fi
     if run_begin mixed "mixed run under memory pressure"; then
-        local others=0
-        if [ "$DEVICE" = cuda ]; then
-            meta hog_keep_free_gib "${HOG_KEEP_FREE_GIB:-36}"
-            hog_start "${HOG_KEEP_FREE_GIB:-36}" || log "no hog: the run goes on with the whole card (recorded)"
-        else
-            others=${SIM_OTHERS_MIB:-3000}
-            meta simulated_others_used_mib "$others"
-        fi
+        pressure_start
         meta top "concurrency = 2"
         meta cuda "$(tr '\n' ';' <<< "$TUNED"$'\n'"$WS_CAPPED")"
-        SIM_OTHERS=$others write_config "$WORK/mixed.toml" "concurrency = 2" \
+        SIM_OTHERS=$PRESSURE_SIM_MIB write_config "$WORK/mixed.toml" "concurrency = 2" \
             "$(calibration "$BUDGET_CALIBRATION" 2 "${MIX_COLD:-true}")"$'\n\n'"$TUNED"$'\n'"$WS_CAPPED"
         if worker_start "$WORK/mixed.toml"; then
             python3 "$REPO/deploy/gpu/storyboards.py" mixed "$WORK/jobs.jsonl" --run mixed --set m --jobs "$jobs" \
