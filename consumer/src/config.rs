@@ -9,7 +9,7 @@
 //! device = "cuda"                  # or "cpu"   (SHOTFLEET_DEVICE)
 //! gpu = 0                          # --gpu
 //! model = "/models/sdxl-onnx"      # SHOTFLEET_MODEL
-//! classes = ["xs", "s", "m"]       # the classes this card serves at most
+//! classes = ["xs", "s", "m"]       # the classes this card serves at most, or "auto": what it holds
 //! concurrency = 1                  # jobs rendered at once
 //! batch_jobs = 4                   # compatible jobs rendered together in shared UNet batches
 //! grace_period = "60s"
@@ -18,7 +18,7 @@
 //! [nats]      server = "tls://nats:4222", creds = "/etc/shotfleet/worker.creds", tls_ca = "/etc/shotfleet/nats-ca.pem"
 //!             # or nkey / token_file / user + password_file; tls_cert + tls_key; inbox_prefix = "_INBOX_worker"
 //! [store]     url = "s3://renders/shotfleet", endpoint = "http://minio:9000"
-//! [budget]    max_fill = 0.9, reserve_mib = 512
+//! [budget]    max_fill = 0.9, reserve_mib = 512, max_mib = 12288   # max_mib: a share of the card
 //! [cuda.unet] conv_algo_search = "heuristic", fuse_conv_bias = true, graph = false
 //! [cuda.vae]  conv_max_workspace = false
 //! [telemetry] listen = "127.0.0.1:9400"   # the default; a pod or a remote scraper needs another
@@ -36,12 +36,11 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
-use shotfleet_schema::names::Named;
 use shotfleet_schema::nats::{NatsArgs, NatsOptions};
 use shotfleet_schema::nats::topology::parse_duration;
-use shotfleet_schema::{Limits, MemoryClass, Priority};
+use shotfleet_schema::{Limits, Priority};
 
-use crate::budget::BudgetConfig;
+use crate::budget::{BudgetConfig, Classes};
 use crate::faults::FaultConfig;
 use crate::pipeline::CudaConfig;
 use crate::store::StoreConfig;
@@ -150,8 +149,10 @@ pub struct WorkerConfig {
     pub gpu: u32,
     /// The model folder (Optimum's SDXL ONNX layout).
     pub model: PathBuf,
-    /// Memory classes this worker serves at most (small cards leave out the large ones).
-    pub classes: Vec<MemoryClass>,
+    /// Memory classes this worker serves at most (small cards leave out the large ones), or
+    /// `"auto"`. Of these it serves those whose largest one-image size the calibrated budget
+    /// holds at start (budget/classes.rs); `/readyz` and `shotfleet_class_servable` say which.
+    pub classes: Classes,
     /// Jobs rendered at the same time (each in its own UNet batches).
     pub concurrency: usize,
     /// Up to this many compatible jobs (same size, steps, guidance) fetched together are rendered
@@ -207,7 +208,7 @@ impl Default for WorkerConfig {
             device: DeviceKind::Cpu,
             gpu: 0,
             model: PathBuf::new(),
-            classes: MemoryClass::all().to_vec(),
+            classes: Classes::default(),
             concurrency: 1,
             batch_jobs: 1,
             grace_period: Duration::from_secs(60),
@@ -303,10 +304,7 @@ impl WorkerConfig {
             config.gpu = gpu?;
         }
         if let Some(v) = flags.classes {
-            config.classes = v
-                .split(',')
-                .map(|c| c.trim().parse::<MemoryClass>().map_err(|e| bad("--classes", e)))
-                .collect::<Result<_, _>>()?;
+            config.classes = v.parse().map_err(|e| bad("--classes", e))?;
         }
         if let Some(v) = pick(flags.metrics_addr, "SHOTFLEET_METRICS_ADDR") {
             config.telemetry.listen =

@@ -10,7 +10,6 @@ use shotfleet_consumer::budget::{
     Budget, BudgetConfig, Estimate, GpuProbe, MIB, PeakWindow, ProbeError, SIMULATED_DEVICE, Sample, Shape,
     SimulateConfig, SimulatedGpu, Water, open_probe,
 };
-use shotfleet_schema::names::Named;
 use shotfleet_schema::MemoryClass;
 
 /// The stand-in render's memory: 16 MiB whatever the size, 1 KiB per latent pixel of the batch.
@@ -108,14 +107,14 @@ fn calibrated_budget_admits_and_learns_on_the_simulation() {
     assert!((terms.per_unit / PER_UNIT as f64 - 1.0).abs() < 0.05, "{terms:?}");
 
     let budget = Budget::new(config, gpu.clone(), estimate, resident).unwrap();
-    let roomy = budget.admit(MemoryClass::all()).unwrap();
-    assert_eq!(roomy.classes(), MemoryClass::all());
+    let roomy = budget.admit(MemoryClass::ALL).unwrap();
+    assert_eq!(roomy.classes(), MemoryClass::ALL);
     assert!(roomy.jobs(MemoryClass::Xl) > 10, "{roomy:?}");
 
     // Another process takes 3500 of 4096 MiB: about 340 MiB of room is left, and the card is
     // past the lower-batch level.
     gpu.set_others_used(3500 * MIB);
-    let crowded = budget.admit(MemoryClass::all()).unwrap();
+    let crowded = budget.admit(MemoryClass::ALL).unwrap();
     assert_eq!(crowded.water, Water::Lower);
     let xl = budget.planned(2048, 2048, 1);
     let room = budget.status().unwrap().available;

@@ -50,7 +50,7 @@ fn environment_overrides_the_file_and_flags_override_the_environment() {
     assert_eq!(config.nats.server, "nats://flag:4222");
     assert_eq!(config.model, model);
     assert_eq!(config.store.url, "file:///tmp/x");
-    assert_eq!(config.classes, [MemoryClass::Xs, MemoryClass::S]);
+    assert_eq!(*config.classes, [MemoryClass::Xs, MemoryClass::S]);
     assert_eq!(config.device, DeviceKind::Cpu);
     assert!(config.worker_id.ends_with("/cpu"), "{}", config.worker_id);
 }
@@ -72,6 +72,10 @@ fn bad_settings_are_named() {
     assert!(e.contains("`tpu` is not `cpu` or `cuda`"), "{e}");
     let e = error(&cpu("", ""), &with_model, Overrides { classes: Some("xs,huge".into()), ..Default::default() });
     assert!(e.contains("--classes") && e.contains("huge"), "{e}");
+    let e = error(&cpu("classes = \"every\"", ""), &with_model, Overrides::default());
+    assert!(e.contains("unknown memory class `every`") && e.contains("\"auto\""), "{e}");
+    let e = error(&cpu("", "[budget]\nmax_mib = 100"), &with_model, Overrides::default());
+    assert!(e.contains("budget.max_mib") && e.contains("leaves nothing"), "{e}");
     let e = error(&cpu("", ""), &with_model, Overrides { metrics_addr: Some("localhost".into()), ..Default::default() });
     assert!(e.contains("--metrics-addr"), "{e}");
     let e = error(&cpu("concurrency = 0", ""), &with_model, Overrides::default());

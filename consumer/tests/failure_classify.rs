@@ -5,7 +5,7 @@
 
 use nvml_wrapper::error::NvmlError;
 use shotfleet_consumer::failure::{
-    EXIT_CONFIG, EXIT_DRIVER_FAULT, EXIT_RESTART, EXIT_START, EXIT_STORE, ErrorKind, classify_nvml, classify_render, classify_text,
+    EXIT_CONFIG, EXIT_DRIVER_FAULT, EXIT_NOTHING_FITS, EXIT_RESTART, EXIT_START, EXIT_STORE, ErrorKind, classify_nvml, classify_render, classify_text,
 };
 use shotfleet_consumer::pipeline::{RenderError, Stage};
 
@@ -126,11 +126,11 @@ fn nvml_errors() {
 
 #[test]
 fn exit_codes_are_distinct_and_not_signals() {
-    let codes = [EXIT_CONFIG, EXIT_START, EXIT_DRIVER_FAULT, EXIT_RESTART, EXIT_STORE];
+    let codes = [EXIT_CONFIG, EXIT_START, EXIT_DRIVER_FAULT, EXIT_RESTART, EXIT_STORE, EXIT_NOTHING_FITS];
     for (i, a) in codes.iter().enumerate() {
         assert!(*a < 128, "{a} reads as a signal");
         assert!(codes[i + 1..].iter().all(|b| a != b));
     }
     // What the README and the systemd unit promise.
-    assert_eq!(codes, [2, 3, 75, 76, 77]);
+    assert_eq!(codes, [2, 3, 75, 76, 77, 78]);
 }

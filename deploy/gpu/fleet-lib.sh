@@ -128,7 +128,7 @@ run_end() {
 # (a function run with & would be a subshell whose pid stop_pid cannot stop the worker through).
 worker_env() {
     WORKER_ENV=(SHOTFLEET_DEVICE="$DEVICE" SHOTFLEET_MODEL="$MODEL" SHOTFLEET_STORE="file://$WORK/images"
-        SHOTFLEET_STATE_DIR="$WORK/state" SHOTFLEET_WORKER_ID="fleet/$DEVICE${SHOTFLEET_GPU:-0}"
+        SHOTFLEET_STATE_DIR="$WORK/state" SHOTFLEET_WORKER_ID="${FLEET_WORKER_ID:-fleet/$DEVICE${SHOTFLEET_GPU:-0}}"
         RUST_LOG="${FLEET_RUST_LOG:-info,ort=warn,shotfleet_consumer::worker::job=debug}" "$@")
 }
 
@@ -259,6 +259,21 @@ hog_start() {
     return 1
 }
 
+# pressure_start: another tenant on the card for a run: on the GPU the hog, leaving
+# HOG_KEEP_FREE_GIB (36) free (a hog that fails is recorded and the run goes on without it); on
+# the CPU the simulation's others_used_mib, SIM_OTHERS_MIB (3000), which PRESSURE_SIM_MIB holds for
+# write_config's SIM_OTHERS.
+pressure_start() {
+    PRESSURE_SIM_MIB=0
+    if [ "$DEVICE" = cuda ]; then
+        meta hog_keep_free_gib "${HOG_KEEP_FREE_GIB:-36}"
+        hog_start "${HOG_KEEP_FREE_GIB:-36}" || log "no hog: the run goes on with the whole card (recorded)"
+    else
+        PRESSURE_SIM_MIB=${SIM_OTHERS_MIB:-3000}
+        meta simulated_others_used_mib "$PRESSURE_SIM_MIB"
+    fi
+}
+
 hog_stop() {
     [ -n "$HOG_PID" ] || return 0
     stop_pid "$HOG_PID" TERM 10
@@ -266,11 +281,15 @@ hog_stop() {
     HOG_PID=''
 }
 
-# Everything still running, in order: samplers, worker (grace), hog, NATS, the stage's sampler.
+# Everything still running, in order: samplers, worker (grace), a run's other workers
+# (OTHER_WORKER_PIDS), hog, NATS, the stage's sampler.
 stop_all() {
     stop_pid "$SAMPLER_PID" TERM 3
     SAMPLER_PID=''
     if [ -n "$RUN_DIR" ] && [ -n "$WORKER_PID" ]; then worker_stop; fi
+    local pid
+    for pid in $OTHER_WORKER_PIDS; do stop_pid "$pid" TERM 40; done
+    OTHER_WORKER_PIDS=''
     hog_stop
     stop_pid "$NATS_PID" TERM 5
     stop_pid "$VRAM_PID" TERM 3
@@ -278,4 +297,4 @@ stop_all() {
 }
 
 # shellcheck disable=SC2034 # RUN_NAME: read by fleet.sh
-RUN_DIR='' RUN_NAME='' NATS_PID='' WORKER_PID='' VRAM_PID='' SAMPLER_PID='' HOG_PID='' METRICS_ADDR=''
+RUN_DIR='' RUN_NAME='' NATS_PID='' WORKER_PID='' VRAM_PID='' SAMPLER_PID='' HOG_PID='' METRICS_ADDR='' OTHER_WORKER_PIDS=''

@@ -3,7 +3,7 @@
 # `lease.sh fleet-budget`): shotfleet-consumer on the GPU with the exported SDXL, fed through a
 # local NATS JetStream, one worker process per run, each with its own config.
 #
-#   bash deploy/gpu/fleet.sh speed|budget        (from the repository root; lease.sh sets the variables)
+#   bash deploy/gpu/fleet.sh speed|budget|small  (from the repository root; lease.sh sets the variables)
 #   FLEET_DEVICE=cpu FLEET_MODEL=onnx/tiny/model bash deploy/gpu/fleet.sh speed   (a dry run on the CPU)
 #
 # speed -> $RESULTS/fleet-speed.json. Runs, in this order (the deadline trims from the end; a run
@@ -41,6 +41,9 @@
 # The check and the mixed run calibrate on the mixed run's sizes (BUDGET_CALIBRATION) at 2 steps; all three
 # use the tuned [cuda] options of the speed runs (what an operator would run).
 #
+# small -> $RESULTS/small.json (issue 19: small cards, two workers on one card, 1,000 mixed jobs
+# checked live): the runs card-N, pair, long-a, long-b of deploy/gpu/fleet-small.sh (its header).
+#
 # The CPU dry run (FLEET_DEVICE=cpu, tiny model): every side divided by 8 (1024 -> 128, 64..192
 # px), SPEED_STEPS 8, no [cuda.*] table, a simulated card ([budget.simulate] total_mib SIM_TOTAL_MIB)
 # whose others_used_mib (SIM_OTHERS_MIB) stands in for the hog, and cpu_arena_max_mib
@@ -59,7 +62,7 @@ T0=$SECONDS
 export PYTHONUNBUFFERED=1
 
 STAGE=${1:-}
-case "$STAGE" in speed|budget) ;; *) sed -n '2,/^set -uo/p' "$0" | sed '$d'; exit 2 ;; esac
+case "$STAGE" in speed|budget|small) ;; *) sed -n '2,/^set -uo/p' "$0" | sed '$d'; exit 2 ;; esac
 DEVICE=${FLEET_DEVICE:-${SHOTFLEET_DEVICE:-cuda}}
 case "$DEVICE" in cuda|cpu) ;; *) echo "FLEET_DEVICE must be cuda or cpu, not $DEVICE" >&2; exit 2 ;; esac
 MODEL=${FLEET_MODEL:-${MODEL_DIR:-/root/sdxl}}
@@ -86,12 +89,23 @@ else
 fi
 SIZE=$((${SPEED_SIZE:-1024} / SCALE))
 SPEED_JOBS=${SPEED_JOBS:-16}
-if [ "$STAGE" = speed ]; then RUNS=,${FLEET_RUNS:-c1-tuned,c1-capped,c1-keep,c2-tuned,c2-batch4,c2-batch4-capped,c2-batch4-keep,c1-graph,c1-best,c1-stock},; else RUNS=,${FLEET_RUNS:-mixed,oom,check,check-ws,check-nopattern},; fi
+case "$STAGE" in
+    speed) RUNS=,${FLEET_RUNS:-c1-tuned,c1-capped,c1-keep,c2-tuned,c2-batch4,c2-batch4-capped,c2-batch4-keep,c1-graph,c1-best,c1-stock}, ;;
+    budget) RUNS=,${FLEET_RUNS:-mixed,oom,check,check-ws,check-nopattern}, ;;
+    small) RUNS=,${FLEET_RUNS:-cards,pair,long}, ;;
+esac
 RESULTS=${RESULTS:-$WORK/results}
 OUT=${OUT:-$RESULTS}
 STAGE_DIR=$RESULTS/fleet-$STAGE
 mkdir -p "$RESULTS" "$OUT" "$WORK" || exit 1
-rm -rf "$STAGE_DIR"
+if [ "$STAGE" = small ] && [ -d "$STAGE_DIR" ]; then
+    # The small stage's runs span calls (long-a in one, long-b in the next): their folders stay,
+    # the last call's memory samples are set aside (fleet_summary.py reads every vram*.csv).
+    [ -f "$STAGE_DIR/vram.csv" ] && mv "$STAGE_DIR/vram.csv" "$STAGE_DIR/vram-$(date +%s).csv"
+    rm -f "$STAGE_DIR/meta.txt"
+else
+    rm -rf "$STAGE_DIR"
+fi
 mkdir -p "$STAGE_DIR" || exit 1
 # shellcheck source=deploy/gpu/fleet-lib.sh
 source "$REPO/deploy/gpu/fleet-lib.sh"
@@ -264,17 +278,10 @@ budget_mixed() {
     wanted mixed || return 0
     if [ "$(left)" -lt $((RUN_MIN_S + 100)) ]; then run_skip mixed "mixed run under memory pressure" "$(left) s left"; return 0; fi
     if run_begin mixed "mixed run under memory pressure"; then
-        local others=0
-        if [ "$DEVICE" = cuda ]; then
-            meta hog_keep_free_gib "${HOG_KEEP_FREE_GIB:-36}"
-            hog_start "${HOG_KEEP_FREE_GIB:-36}" || log "no hog: the run goes on with the whole card (recorded)"
-        else
-            others=${SIM_OTHERS_MIB:-3000}
-            meta simulated_others_used_mib "$others"
-        fi
+        pressure_start
         meta top "concurrency = 2"
         meta cuda "$(tr '\n' ';' <<< "$TUNED"$'\n'"$WS_CAPPED")"
-        SIM_OTHERS=$others write_config "$WORK/mixed.toml" "concurrency = 2" \
+        SIM_OTHERS=$PRESSURE_SIM_MIB write_config "$WORK/mixed.toml" "concurrency = 2" \
             "$(calibration "$BUDGET_CALIBRATION" 2 "${MIX_COLD:-true}")"$'\n\n'"$TUNED"$'\n'"$WS_CAPPED"
         if worker_start "$WORK/mixed.toml"; then
             python3 "$REPO/deploy/gpu/storyboards.py" mixed "$WORK/jobs.jsonl" --run mixed --set m --jobs "$jobs" \
@@ -336,6 +343,9 @@ stage_budget() {
     budget_check check-nopattern "budget check, memory patterns off (UNet and VAE)" "$NO_PATTERN"
 }
 
+# shellcheck source=deploy/gpu/fleet-small.sh
+source "$REPO/deploy/gpu/fleet-small.sh"
+
 # --- the end: stop everything, summarize, copy to $OUT -----------------------------------------
 # shellcheck disable=SC2317,SC2329 # called by the EXIT trap
 finish() {
@@ -346,6 +356,7 @@ finish() {
     [ "$rc" = 0 ] || stage_meta rc "$rc"
     local json=$RESULTS/fleet-speed.json
     [ "$STAGE" = budget ] && json=$RESULTS/budget.json
+    [ "$STAGE" = small ] && json=$RESULTS/small.json
     python3 "$REPO/deploy/gpu/fleet_summary.py" "$STAGE" "$STAGE_DIR" --out "$json" \
         --digest "$OUT/fleet-$STAGE.txt" || echo "the summary failed" >&2
     cp "$json" "$OUT/" 2> /dev/null
@@ -375,6 +386,7 @@ start_vram_sampler
 case "$STAGE" in
     speed) stage_speed ;;
     budget) stage_budget ;;
+    small) stage_small ;;
 esac
 log "stage $STAGE done"
 exit 0

@@ -2,6 +2,7 @@
 
     python3 deploy/gpu/fleet_summary.py speed  RESULTS/fleet-speed  --out RESULTS/fleet-speed.json [--digest F]
     python3 deploy/gpu/fleet_summary.py budget RESULTS/fleet-budget --out RESULTS/budget.json [--digest F]
+    python3 deploy/gpu/fleet_summary.py small  RESULTS/fleet-small  --out RESULTS/small.json [--digest F]
 
 The stage folder (fleet-lib.sh's header): meta.txt, runs.txt (run names in order), vram.csv, and a
 folder per run with meta.txt, worker.log, jobs-KEY.jsonl, submit-KEY.txt, gpu-KEY.json, metrics.txt.
@@ -19,6 +20,7 @@ tally of `shotfleet submit --wait` (done, degraded, failed, and each job's statu
 
 budget.json adds: check (the --check-budget lines, max |error|), mixed (hog, zero admission OOMs),
 oom (each job's outcome, the OOM/degrade log lines, whether the same process kept serving).
+small.json: cards, pair and long (small_summary.py).
 --digest writes a short text for a person (the call's $OUT). Standard library only.
 """
 
@@ -139,12 +141,13 @@ class WorkerLog:
 
 
 class Vram:
-    """NVML memory over the stage: t, device used, the current worker's own, all processes (MiB)."""
+    """NVML memory over the stage: t, device used, the current worker's own, all processes (MiB),
+    from every file given (a stage spanning calls keeps one per call)."""
 
-    def __init__(self, path: Path, baseline: float | None):
+    def __init__(self, paths: list[Path], baseline: float | None):
         self.rows = []
         self.baseline = baseline
-        if path.exists():
+        for path in paths:
             for line in path.read_text().splitlines()[1:]:
                 try:
                     self.rows.append(tuple(float(x) for x in line.split(",")))
@@ -459,27 +462,43 @@ def digest(doc: dict) -> str:
                          f"again {x.get('again_ms')} ms (vae {x.get('again_vae_ms')}) arenas {json.dumps(x.get('arenas_mib'))}")
         if check.get("error"):
             lines.append(f"  error: {check['error']}")
+    for card in doc.get("cards", []):
+        lines.append(f"card {card.get('max_mib')} MiB: {json.dumps({k: v for k, v in card.items() if k != 'warnings'})[:2500]}")
+    for key in ("pair", "long"):
+        if doc.get(key):
+            lines.append(f"{key}: {json.dumps(doc[key])[:4000]}")
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("stage", choices=("speed", "budget"))
+    ap.add_argument("stage", choices=("speed", "budget", "small"))
     ap.add_argument("dir", type=Path)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--digest", type=Path, default=None)
     args = ap.parse_args()
     meta = read_meta(args.dir / "meta.txt")
-    vram = Vram(args.dir / "vram.csv", fnum(meta, "vram_baseline_mib"))
+    vram = Vram(sorted(args.dir.glob("vram*.csv")), fnum(meta, "vram_baseline_mib"))
     names = []
     if (args.dir / "runs.txt").exists():
-        names = [n for n in (args.dir / "runs.txt").read_text().split() if n]
+        # A run done again in a later call (the small stage keeps its folder) is listed once.
+        names = list(dict.fromkeys(n for n in (args.dir / "runs.txt").read_text().split() if n))
     doc = {"stage": f"fleet-{args.stage}", "device": meta.get("device"), "model": meta.get("model"),
            "deadline_s": fnum(meta, "deadline_s"), "seconds": fnum(meta, "seconds"),
            "vram_baseline_mib": fnum(meta, "vram_baseline_mib")}
     if args.stage == "speed":
         doc.update(size=int(meta.get("size") or 0), steps=int(meta.get("steps") or 0), guidance=5.0)
         doc["runs"] = [public(run_summary(args.dir / n, vram, meta.get("device"))) for n in names]
+    elif args.stage == "small":
+        import small_summary  # noqa: PLC0415 - it imports this module's readers
+
+        runs = {n: run_summary(args.dir / n, vram, meta.get("device")) for n in names}
+        doc["cards"] = [small_summary.card(run) for n, run in runs.items() if n.startswith("card-")]
+        if "pair" in runs:
+            doc["pair"] = small_summary.pair(runs["pair"])
+        halves = [run for n, run in runs.items() if n.startswith("long-") and run.get("status") != "skipped"]
+        if halves:
+            doc["long"] = small_summary.long(halves)
     else:
         for n in names:
             if n.startswith("check"):

@@ -21,6 +21,8 @@
 #   unet            optimize-wait, then onnx/bench_unet.py -> unet.json
 #   fleet-speed     optimize-wait, then `deploy/gpu/fleet.sh speed` (binaries from .gpu/bin) -> fleet-speed.json
 #   fleet-budget    optimize-wait, then `deploy/gpu/fleet.sh budget` -> budget.json, budget-check.jsonl, budget-check-ws.jsonl
+#   fleet-small     optimize-wait, then `deploy/gpu/fleet.sh small` (issue 19: shares of the card, two
+#                   workers on one card, the 1,000-job run; FLEET_RUNS picks) -> small.json
 #   fleet           fleet-speed, then fleet-budget
 #   report          deploy/gpu/report.py over /root/results -> report.md, report.json, results.tar.gz
 #
@@ -355,6 +357,7 @@ run_stage() {
         unet) stage_unet || rc=$? ;;
         fleet-speed) stage_fleet speed || rc=$? ;;
         fleet-budget) stage_fleet budget || rc=$? ;;
+        fleet-small) stage_fleet small || rc=$? ;;
         fleet) { stage_fleet speed && stage_fleet budget; } || rc=$? ;;
         report) stage_report || rc=$? ;;
         *) echo "unknown stage: $name" >&2; rc=2 ;;

@@ -10,6 +10,7 @@ results.tar.gz, unpacked) landed. It reads what is there, all optional:
   fleet-speed.json      deploy/gpu/fleet.sh speed (fleet_summary.py: runs, each with its sets)
   fleet.json            the 2026-11-30 lease's fleet.sh ({"runs": [{label, batch, images_per_s, ...}]})
   budget.json           deploy/gpu/fleet.sh budget: check, mixed, oom
+  small.json            deploy/gpu/fleet.sh small: shares of the card, two workers on one, 1,000 jobs (small_report.py)
   unet.json             onnx/bench_unet.py (variants)
   stages.jsonl          deploy/gpu/lease.sh (seconds per stage)
 Ratios: a fleet set's images/s (and steady images/s) over diffusers eager, and over compiled, at
@@ -21,6 +22,8 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+
+from small_report import small_md
 
 STAGE_KEYS = ("text_ms", "unet_ms", "vae_ms", "png_ms", "upload_ms", "render_ms")
 
@@ -376,6 +379,8 @@ def main() -> None:
     md += targets_md(rows)
     md += fleet_runs_md(speed)
     md += budget_md(budget)
+    small = load(d / "small.json")
+    md += small_md(small)
     md += unet_md(unet, steps)
     md += stages_md(stages)
     text = "\n".join(md) + "\n"
@@ -386,7 +391,7 @@ def main() -> None:
         args.json.write_text(json.dumps({"images": rows, "fleet_runs": (speed or {}).get("runs"), "budget": budget,
                                          "unet_best": (unet or {}).get("best"),
                                          "unet_stock_spread": (unet or {}).get("stock_spread"),
-                                         "unet": (unet or {}).get("results"), "stages": stages}, indent=2) + "\n")
+                                         "unet": (unet or {}).get("results"), "small": small, "stages": stages}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -3,13 +3,18 @@
     python3 deploy/gpu/storyboards.py uniform FILE --run R --set S --jobs 16 --images 1 \
         --width 1024 --height 1024 --steps 30
     python3 deploy/gpu/storyboards.py mixed FILE --run R --jobs 200 --steps 4 [--scale 8]
+        [--slice 0:500] [--classes xs,s,m --rest REST]
 
 uniform: one set of a timed run: the same size, steps and guidance for every job (so a worker
 with batch_jobs > 1 may render them together), distinct seeds and prompts, all p0.
 mixed: the budget stage's run under memory pressure: sizes from 512x512 to 1536x1536 (square and
 not, multiples of 64), 1 to 4 images, priorities p0/p1/p2, drawn from a fixed seed so a rerun
-submits the same jobs. --scale N divides every side by N (the CPU dry run's tiny model: 8 gives
-64..192 px). Prints one line: jobs, images, and the size and priority counts. Standard library only.
+submits the same jobs (and the first N of a longer draw are the N of a shorter one). --scale N
+divides every side by N (the CPU dry run's tiny model: 8 gives 64..192 px). --slice A:B keeps jobs
+A+1..B of the draw (their ids keep their numbers: halves of one run). --classes keeps the jobs of
+those memory classes (schema/src/class.rs: one image's pixels) in FILE and writes the others to
+REST. Prints one line: jobs, images, and the size, priority and class counts (and REST's).
+Standard library only.
 """
 
 from __future__ import annotations
@@ -38,6 +43,13 @@ MIXED_SIZES = [
 ]
 MIXED_IMAGES = [(1, 4), (2, 3), (3, 2), (4, 2)]
 MIXED_PRIORITIES = [("p0", 2), ("p1", 2), ("p2", 1)]
+
+# A memory class's largest one-image pixel count, smallest first (schema/src/class.rs); xl above.
+CLASS_MAX_PIXELS = [("xs", 512 * 512), ("s", 768 * 768), ("m", 1024 * 1024), ("l", 1536 * 1536)]
+
+
+def memory_class(width: int, height: int) -> str:
+    return next((name for name, most in CLASS_MAX_PIXELS if width * height <= most), "xl")
 
 
 def job(run: str, set_name: str, i: int, width: int, height: int, steps: int, images: int, priority: str,
@@ -81,15 +93,39 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--scale", type=int, default=1, help="mixed: divide every side by this")
     ap.add_argument("--seed", type=int, default=20261130, help="mixed: the draw's seed")
+    ap.add_argument("--slice", default=None, help="A:B keeps jobs A+1..B of the draw")
+    ap.add_argument("--classes", default=None, help="keep only these memory classes (comma separated) in FILE")
+    ap.add_argument("--rest", default=None, help="with --classes: where the other jobs go")
     args = ap.parse_args()
     jobs = uniform(args) if args.kind == "uniform" else mixed(args)
-    with open(args.file, "w") as f:
+    if args.slice:
+        start, _, end = args.slice.partition(":")
+        jobs = jobs[int(start or 0):int(end) if end else None]
+    rest = []
+    if args.classes is not None:
+        keep = {c.strip() for c in args.classes.split(",") if c.strip()}
+        rest = [j for j in jobs if memory_class(j["width"], j["height"]) not in keep]
+        jobs = [j for j in jobs if memory_class(j["width"], j["height"]) in keep]
+    write(args.file, jobs)
+    line = counts(jobs)
+    if args.rest:
+        write(args.rest, rest)
+        line["rest"] = counts(rest)
+    print(json.dumps(line))
+
+
+def write(path: str, jobs: list[dict]) -> None:
+    with open(path, "w") as f:
         for j in jobs:
             f.write(json.dumps(j) + "\n")
+
+
+def counts(jobs: list[dict]) -> dict:
     sizes = collections.Counter(f"{j['width']}x{j['height']}" for j in jobs)
     prios = collections.Counter(j["priority"] for j in jobs)
-    print(json.dumps({"jobs": len(jobs), "images": sum(j["images"] for j in jobs), "sizes": dict(sorted(sizes.items())),
-                      "priorities": dict(sorted(prios.items()))}))
+    classes = collections.Counter(memory_class(j["width"], j["height"]) for j in jobs)
+    return {"jobs": len(jobs), "images": sum(j["images"] for j in jobs), "sizes": dict(sorted(sizes.items())),
+            "priorities": dict(sorted(prios.items())), "classes": dict(sorted(classes.items()))}
 
 
 if __name__ == "__main__":

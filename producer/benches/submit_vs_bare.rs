@@ -15,7 +15,6 @@ use futures::StreamExt;
 use futures::stream::FuturesUnordered;
 use shotfleet_producer::storyboard::Shot;
 use shotfleet_producer::submit::{self, SubmitOptions};
-use shotfleet_schema::names::Named;
 use shotfleet_schema::nats::Topology;
 use shotfleet_schema::{Priority, ShotJob};
 use shotfleet_testkit::NatsServer;
@@ -24,7 +23,7 @@ fn shots(n: usize, round: usize) -> Vec<Shot> {
     (0..n)
         .map(|i| Shot {
             line: i + 1,
-            priority: Priority::all()[i % 3],
+            priority: Priority::ALL[i % 3],
             job: ShotJob {
                 v: 1,
                 job_id: format!("bench-{round}-{i}"),

@@ -15,7 +15,6 @@ use clap::{Args, Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 use shotfleet_producer::wait::{Awaited, Outcome};
 use shotfleet_producer::{replay, status, storyboard, submit, wait};
-use shotfleet_schema::names::Named;
 use shotfleet_schema::encoding::ContentType;
 use shotfleet_schema::failure::FailureReason;
 use shotfleet_schema::nats::{NatsArgs, NatsOptions, Topology};
@@ -309,7 +308,7 @@ fn print_table(shots: &[storyboard::Shot], outcomes: &std::collections::HashMap<
 
 /// Queue wait per priority: how long jobs sat in the stream before a worker took them.
 fn print_waits(shots: &[storyboard::Shot], outcomes: &std::collections::HashMap<String, Outcome>) {
-    for &priority in shotfleet_schema::Priority::all() {
+    for &priority in shotfleet_schema::Priority::ALL {
         let mut waits: Vec<u64> = shots
             .iter()
             .filter(|s| s.priority == priority)

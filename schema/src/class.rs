@@ -14,7 +14,6 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::names::Named;
 
 /// A job's memory class, smallest first (the order is meaningful: `Xs < S < ... < Xl`).
 #[derive(
@@ -43,9 +42,7 @@ pub enum MemoryClass {
     Xl,
 }
 
-impl Named for MemoryClass {
-    const WHAT: &'static str = "memory class";
-}
+crate::named!(MemoryClass, "memory class");
 
 impl MemoryClass {
     /// The largest pixel count of one image in this class (`None` for `xl`: unbounded).
@@ -62,7 +59,7 @@ impl MemoryClass {
     /// The class of one `width x height` image.
     pub fn of_size(width: u32, height: u32) -> Self {
         let pixels = u64::from(width) * u64::from(height);
-        Self::all()
+        Self::ALL
             .iter()
             .copied()
             .find(|class| class.max_pixels().is_none_or(|max| pixels <= max))
@@ -90,7 +87,7 @@ mod tests {
     #[test]
     fn classes_are_ordered_by_size_and_round_trip() {
         assert!(MemoryClass::Xs < MemoryClass::Xl);
-        for &class in MemoryClass::all() {
+        for &class in MemoryClass::ALL {
             assert_eq!(class.as_str().parse::<MemoryClass>(), Ok(class));
         }
         assert_eq!("auto".parse::<MemoryClass>().unwrap_err(), "unknown memory class `auto`; expected xs, s, m, l or xl");

@@ -9,7 +9,6 @@
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use crate::names::Named;
 use crate::subject;
 use crate::validate;
 
@@ -65,9 +64,7 @@ pub enum FailureReason {
     Driver,
 }
 
-impl Named for FailureReason {
-    const WHAT: &'static str = "failure reason";
-}
+crate::named!(FailureReason, "failure reason");
 
 /// The longest header value written, bytes.
 const MAX_HEADER_VALUE: usize = 1000;
@@ -198,11 +195,11 @@ mod tests {
 
     #[test]
     fn reasons_parse_and_name_themselves() {
-        for reason in <FailureReason as strum::VariantArray>::VARIANTS {
+        for reason in FailureReason::ALL {
             assert_eq!(reason.to_string().parse::<FailureReason>().unwrap(), *reason);
         }
         assert_eq!(FailureReason::MaxDeliveries.to_string(), "max_deliveries");
-        let err = crate::names::parse::<FailureReason>("bogus").unwrap_err();
+        let err = "bogus".parse::<FailureReason>().unwrap_err();
         assert!(err.contains("invalid, oom, attempts, max_deliveries or driver"), "{err}");
     }
 }

@@ -4,7 +4,8 @@
 //!
 //! An enum takes part with `#[derive(strum::EnumString, strum::IntoStaticStr,
 //! strum::Display, strum::VariantArray)]`, `#[strum(serialize_all = "...", parse_err_ty =
-//! String, parse_err_fn = crate::names::unknown::<Type>)]` and an `impl Named`.
+//! String, parse_err_fn = crate::names::unknown::<Type>)]` and `named!(Type, "what it is")`,
+//! which gives it `Type::ALL` and `as_str()` from the derive.
 
 use strum::VariantArray;
 
@@ -12,16 +13,27 @@ use strum::VariantArray;
 pub trait Named: VariantArray + Copy + Into<&'static str> + 'static {
     /// What one value is, for messages: `priority`, `memory class`.
     const WHAT: &'static str;
+}
 
-    /// The wire name.
-    fn as_str(self) -> &'static str {
-        self.into()
-    }
+/// `impl Named` for a strum-derived enum, and the inherent `ALL` (every variant, in declaration
+/// order) and `as_str()` (the wire name) its users call.
+#[macro_export]
+macro_rules! named {
+    ($type:ty, $what:literal) => {
+        impl $crate::names::Named for $type {
+            const WHAT: &'static str = $what;
+        }
 
-    /// Every variant, in declaration order.
-    fn all() -> &'static [Self] {
-        Self::VARIANTS
-    }
+        impl $type {
+            /// Every variant, in declaration order.
+            pub const ALL: &'static [$type] = <$type as strum::VariantArray>::VARIANTS;
+
+            /// The wire name.
+            pub fn as_str(self) -> &'static str {
+                self.into()
+            }
+        }
+    };
 }
 
 /// The parse error of a [`Named`] enum: `unknown priority `p3`; expected p0, p1 or p2`.
@@ -31,18 +43,10 @@ pub fn unknown<T: Named>(text: &str) -> String {
 
 /// The names, `a, b or c`.
 pub fn listed<T: Named>() -> String {
-    let names: Vec<&str> = T::all().iter().map(|v| v.as_str()).collect();
+    let names: Vec<&str> = T::VARIANTS.iter().map(|v| (*v).into()).collect();
     match names.split_last() {
         Some((last, [])) => (*last).to_owned(),
         Some((last, rest)) => format!("{} or {last}", rest.join(", ")),
         None => String::new(),
     }
-}
-
-/// Parses a name (the strum derive does the matching, [`unknown`] the message).
-///
-/// # Errors
-/// A message listing the names.
-pub fn parse<T: Named + std::str::FromStr<Err = String>>(text: &str) -> Result<T, String> {
-    text.parse()
 }

@@ -13,7 +13,6 @@ use std::fmt;
 use std::str::FromStr;
 
 use crate::class::MemoryClass;
-use crate::names::Named;
 
 /// The work-queue stream holding jobs.
 pub const JOBS_STREAM: &str = "SHOTS";
@@ -47,9 +46,7 @@ pub enum Priority {
     P2,
 }
 
-impl Named for Priority {
-    const WHAT: &'static str = "priority";
-}
+crate::named!(Priority, "priority");
 
 impl Priority {
     /// 0 for `p0`, the most urgent.
@@ -112,12 +109,12 @@ pub fn failed(priority: Priority, project: &str) -> String {
 /// published to any other subject (`shots.p0.bogus.acme`, a typo'd class) is refused by the
 /// server at publish time instead of waiting in the stream for a consumer that never comes.
 pub fn jobs_stream_subjects() -> Vec<String> {
-    Priority::all().iter().flat_map(|p| job_classes().map(move |c| consumer(*p, c).1)).collect()
+    Priority::ALL.iter().flat_map(|p| job_classes().map(move |c| consumer(*p, c).1)).collect()
 }
 
 /// Every class token of a job subject: the memory classes and `auto`.
 pub fn job_classes() -> impl Iterator<Item = SubjectClass> {
-    MemoryClass::all().iter().copied().map(SubjectClass::Class).chain([SubjectClass::Auto])
+    MemoryClass::ALL.iter().copied().map(SubjectClass::Class).chain([SubjectClass::Auto])
 }
 
 /// The subjects the results stream captures.

@@ -12,7 +12,6 @@ use async_nats::jetstream;
 use sha2::{Digest, Sha256};
 use shotfleet_consumer::store::{Store, StoreConfig};
 use shotfleet_producer::storyboard::Shot;
-use shotfleet_schema::names::Named;
 use shotfleet_schema::encoding::{self, ContentType};
 use shotfleet_schema::nats::Topology;
 use shotfleet_schema::{failure, subject, Priority, ShotResult};
@@ -61,7 +60,7 @@ fn print_header() {
 fn storyboard(prefix: &str) -> Vec<Shot> {
     (0..JOBS_PER_SCENARIO)
         .map(|i| {
-            let priority = Priority::all()[i % 3];
+            let priority = Priority::ALL[i % 3];
             shot(priority, job(&format!("{prefix}-{i}"), if i % 2 == 0 { "north" } else { "south" }, (64, 64), 2, 1 + (i % 2) as u32))
         })
         .collect()

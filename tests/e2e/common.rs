@@ -164,7 +164,7 @@ impl Worker {
         worker
     }
 
-    /// Starts a worker against `nats_url` without waiting for it (for one that should not start).
+    /// Starts a worker against `nats_url` without waiting for it to be ready.
     pub fn spawn(nats_url: &str, spec: WorkerSpec) -> Self {
         let dir = tempfile::tempdir().expect("worker dir");
         let metrics_port = free_port();

@@ -8,7 +8,6 @@ use std::path::Path;
 use std::process::Command;
 
 use serde_json::Value;
-use shotfleet_schema::names::Named;
 use shotfleet_schema::nats::Topology;
 use shotfleet_schema::subject::{self, Priority};
 use shotfleet_testkit::{ServerBinary, TestCa, paths};
@@ -115,7 +114,7 @@ fn keda_scales_on_every_consumer_the_pods_serve() {
             assert_eq!(str_at(trigger, "/metadata/account"), "SHOTFLEET", "the account of deploy/nats");
             triggered.insert(name.to_owned());
         }
-        for &priority in Priority::all() {
+        for &priority in Priority::ALL {
             for class in classes.split(',').chain(["auto"]) {
                 let wanted = format!("render-{priority}-{class}");
                 assert!(triggered.contains(&wanted), "{target} serves {class} but has no trigger on {wanted}");

@@ -3,7 +3,8 @@
 //! Parses flags, sets up logging, resolves the config (file, environment, flags) and runs the
 //! worker until SIGTERM or SIGINT. Exit codes, for the supervisor: 0 after a clean stop; 2 bad
 //! configuration; 3 a start-up step failed (NATS, store, models, calibration); 75 a driver
-//! fault (restart the worker, check the GPU); 76 a restart requested by the leak guard.
+//! fault (restart the worker, check the GPU); 76 a restart requested by the leak guard; 78 the
+//! card holds none of the classes the worker may serve (do not restart: a person must act).
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -33,7 +34,7 @@ struct Cli {
     /// GPU index (SHOTFLEET_GPU).
     #[arg(long)]
     gpu: Option<u32>,
-    /// Memory classes served, comma separated (xs,s,m,l,xl).
+    /// Memory classes served, comma separated (xs,s,m,l,xl), or auto.
     #[arg(long)]
     classes: Option<String>,
     /// Metrics and health address (SHOTFLEET_METRICS_ADDR); default 127.0.0.1:9400.

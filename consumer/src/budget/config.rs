@@ -2,6 +2,9 @@
 
 use serde::{Deserialize, Serialize};
 
+use super::probe::GpuSnapshot;
+use super::share;
+
 /// Bytes in a mebibyte; config speaks MiB, the budget bytes.
 pub const MIB: u64 = 1024 * 1024;
 
@@ -39,6 +42,20 @@ pub struct BudgetConfig {
     /// ran before, and the estimate, fitted to probes that start from shrunk arenas, can run
     /// low (+40% at 768x768 x 4 on 2026-11-30). Off by default: the budget's figures hold.
     pub vae_keeps_arena: bool,
+    /// Every job's render gives its arenas back at its end, so the next one starts from the
+    /// models alone and its observed peak is its own: with `concurrency = 1` the estimate then
+    /// learns from every job and `shotfleet_estimate_error_ratio{start="cold"}` covers them all.
+    /// Costs the arenas' regrowth per job. Off by default; for measuring the budget on a card
+    /// (the GPU lease's `mixed-1000` run).
+    pub cold_renders: bool,
+    /// The most of its card this worker may use, MiB: its models, its renders and `reserve_mib`
+    /// together. For sharing one large card between workers (give each its share) or for
+    /// behaving as a smaller card on a large one. The worker then takes its card to be
+    /// `min(card, max_mib)` large, with only this process's own usage in it (others' usage counts
+    /// only where it leaves less free): the budget, the water levels, the metrics' card size and
+    /// the arenas' limits (the CUDA arena's `gpu_mem_limit`; on the CPU, the capped arena, see
+    /// `cpu_arena_max_mib`) all follow it ([`BudgetConfig::view`]). Unset: the whole card.
+    pub max_mib: Option<u64>,
     /// A simulated GPU for CPU runs and tests. Required with `device = "cpu"`, never implied.
     pub simulate: Option<SimulateConfig>,
 }
@@ -57,6 +74,8 @@ impl Default for BudgetConfig {
             learn_window: 64,
             snapshot_max_age_ms: 75,
             vae_keeps_arena: false,
+            cold_renders: false,
+            max_mib: None,
             simulate: None,
         }
     }
@@ -117,6 +136,17 @@ impl BudgetConfig {
         if self.learn_window == 0 {
             return Err(ConfigError { field: "learn_window", message: "must keep at least one observation".into() });
         }
+        if let Some(max) = self.max_mib
+            && max <= self.reserve_mib + self.margin_mib
+        {
+            return Err(ConfigError {
+                field: "max_mib",
+                message: format!(
+                    "{max} leaves nothing for renders beside reserve_mib ({}) and margin_mib ({}); give the worker more of the card",
+                    self.reserve_mib, self.margin_mib
+                ),
+            });
+        }
         if let Some(sim) = &self.simulate {
             if sim.total_mib == 0 {
                 return Err(ConfigError { field: "simulate.total_mib", message: "must be positive".into() });
@@ -129,6 +159,25 @@ impl BudgetConfig {
             }
         }
         Ok(())
+    }
+
+    /// The card as this worker may use it: `snapshot` itself, or with `max_mib` this worker's
+    /// share of it (see `share.rs`).
+    pub fn view(&self, snapshot: GpuSnapshot) -> GpuSnapshot {
+        match self.max_mib {
+            Some(max) => share::within(snapshot, max * MIB),
+            None => snapshot,
+        }
+    }
+
+    /// What ONNX Runtime's arena may grow to on the card of `snapshot` (taken before the models
+    /// load): all the budget could ever plan with, `min(total x max_fill, free - margin) -
+    /// reserve` of the worker's [view](Self::view), so the arena and the budget agree on the
+    /// card's size. The models are not taken off: their weights live outside the arena.
+    pub fn arena_limit(&self, snapshot: GpuSnapshot) -> u64 {
+        let card = self.view(snapshot);
+        let cap = ((card.total as f64 * self.max_fill) as u64).min(card.free.saturating_sub(self.margin_bytes()));
+        cap.saturating_sub(self.reserve_bytes())
     }
 
     pub(crate) fn reserve_bytes(&self) -> u64 {
@@ -165,5 +214,29 @@ mod tests {
             ..BudgetConfig::default()
         };
         assert_eq!(full.validate().unwrap_err().field, "simulate.others_used_mib");
+        let no_room = BudgetConfig { max_mib: Some(768), ..BudgetConfig::default() };
+        assert_eq!(no_room.validate().unwrap_err().field, "max_mib");
+        assert!(toml::from_str::<BudgetConfig>("max_mib = 12288").unwrap().validate().is_ok());
+    }
+
+    #[test]
+    fn the_arena_limit_follows_the_share() {
+        let card = |total_mib: u64, used_mib: u64| GpuSnapshot {
+            device: "card".into(),
+            total: total_mib * MIB,
+            used: used_mib * MIB,
+            free: (total_mib - used_mib) * MIB,
+            own_used: None,
+            utilization: None,
+            temperature_c: None,
+        };
+        let whole = BudgetConfig::default();
+        // 0.9 of 143771 MiB, less the 512 MiB reserve.
+        assert_eq!(whole.arena_limit(card(143_771, 600)), (143_771.0 * 0.9 * MIB as f64) as u64 - 512 * MIB);
+        // 0.9 of a 12 GiB share, less the reserve, whatever the card.
+        let share = BudgetConfig { max_mib: Some(12_288), ..BudgetConfig::default() };
+        assert_eq!(share.arena_limit(card(143_771, 600)), (12_288.0 * 0.9 * MIB as f64) as u64 - 512 * MIB);
+        // Another tenant leaves 5 GiB free: free less the margin binds, share or not.
+        assert_eq!(share.arena_limit(card(143_771, 143_771 - 5120)), (5120 - 256 - 512) * MIB);
     }
 }

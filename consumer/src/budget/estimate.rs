@@ -74,7 +74,7 @@ impl Shape {
     /// at `self` is a lower bound for `other`. Sides, not pixels: on the H200 (2026-11-30) a
     /// 1152x896 render needed 2.6 GiB more than a 1024x1024 one of as many images, with fewer
     /// pixels, so its peak says nothing about the square's.
-    fn fits_within(&self, other: &Shape) -> bool {
+    pub fn fits_within(&self, other: &Shape) -> bool {
         self.width <= other.width && self.height <= other.height && self.images <= other.images
     }
 }
@@ -136,6 +136,11 @@ pub struct Estimate {
     recent: VecDeque<Sample>,
     /// The highest peak seen per shape, oldest first.
     floors: Vec<Sample>,
+    /// Shapes that ran out of memory at calibration with the bytes they had: each needs more,
+    /// and so does every shape it fits within. Not floors: a size's offset is what its renders
+    /// needed, and a room is no render's need (see [`Estimate::ran_out`]).
+    #[serde(default)]
+    ceilings: Vec<Sample>,
 }
 
 impl Estimate {
@@ -149,19 +154,47 @@ impl Estimate {
         if !terms.grows() {
             return Err(EstimateError::NoGrowth { peaks: samples.iter().map(|s| s.peak_bytes).collect() });
         }
-        let mut estimate = Self { terms, calibration: samples.to_vec(), recent: VecDeque::new(), floors: Vec::new() };
+        Ok(Self::from_terms(terms, samples))
+    }
+
+    /// An estimate from one probe render, for a card that could hold only one probe shape: a
+    /// need in proportion to the guidance batch's latent pixels, never below the probe's peak
+    /// at its own shape or a larger one. That errs high for larger batches of the size (its
+    /// fixed part is multiplied too) and low for smaller sizes, which the first renders of
+    /// other shapes correct: every observation is fitted with the probe.
+    pub fn from_one(sample: Sample) -> Self {
+        let terms = Coefficients { per_unit: sample.peak_bytes as f64 / sample.shape.units().max(1.0), ..Coefficients::default() };
+        Self::from_terms(terms, &[sample])
+    }
+
+    fn from_terms(terms: Coefficients, samples: &[Sample]) -> Self {
+        let mut estimate =
+            Self { terms, calibration: samples.to_vec(), recent: VecDeque::new(), floors: Vec::new(), ceilings: Vec::new() };
         for sample in samples {
             estimate.raise_floor(sample.shape, sample.peak_bytes);
         }
-        Ok(estimate)
+        estimate
     }
 
     /// The bytes a render of `shape` needs, before any safety margin: the fitted model plus its
-    /// size's offset, and never less than a peak seen at this shape or a smaller one.
+    /// size's offset, never less than a peak seen at this shape or a smaller one, and more than
+    /// a smaller shape that ran out of memory had.
     pub fn need(&self, shape: Shape) -> u64 {
         let modelled = (self.terms.need(shape) + self.size_offset(shape)).ceil() as u64;
         let floor = self.floors.iter().filter(|f| f.shape.fits_within(&shape)).map(|f| f.peak_bytes).max();
-        modelled.max(floor.unwrap_or(0))
+        let ceiling = self.ceilings.iter().filter(|c| c.shape.fits_within(&shape)).map(|c| c.peak_bytes + 1).max();
+        modelled.max(floor.unwrap_or(0)).max(ceiling.unwrap_or(0))
+    }
+
+    /// Records that a render of `shape` ran out of memory with `bytes` at its disposal (a
+    /// calibration probe and the room it was planned against): it needs more than that, and so
+    /// does every larger shape, so none of them is admitted into that room again. Smaller
+    /// image counts of the size keep their own needs.
+    pub fn ran_out(&mut self, shape: Shape, bytes: u64) {
+        match self.ceilings.iter_mut().find(|c| c.shape == shape) {
+            Some(ceiling) => ceiling.peak_bytes = ceiling.peak_bytes.max(bytes),
+            None => self.ceilings.push(Sample { shape, peak_bytes: bytes }),
+        }
     }
 
     /// The most a render of `shape`'s width and height, any image count, needed beyond the fit:
@@ -476,6 +509,33 @@ mod tests {
         // Fewer pixels than 1024x1024, yet its floor does not bind the square, nor its transpose.
         assert!(estimate.need(Shape::new(1024, 1024, 2)) < high);
         assert!(estimate.need(Shape::new(896, 1152, 2)) < high);
+    }
+
+    #[test]
+    fn a_ceiling_binds_its_shape_and_larger_ones_but_is_no_offset() {
+        let mut estimate = calibrated();
+        let (two, one) = (Shape::new(1024, 1024, 2), Shape::new(1024, 1024, 1));
+        let need_one = estimate.need(one);
+        let room = estimate.need(two) * 3;
+        estimate.ran_out(two, room);
+        for larger in [two, Shape::new(1024, 1024, 3), Shape::new(1152, 1024, 2)] {
+            assert!(estimate.need(larger) > room, "{larger:?}");
+        }
+        // One image of the size rendered fine: a room is no render's need, so no offset.
+        assert_eq!(estimate.need(one), need_one);
+        assert!(estimate.need(Shape::new(896, 1152, 2)) < room, "not larger: a side is shorter");
+    }
+
+    #[test]
+    fn one_probe_gives_a_proportional_estimate_that_learns() {
+        let probe = synthetic(Shape::new(512, 512, 1));
+        let mut estimate = Estimate::from_one(probe);
+        assert_eq!(estimate.need(probe.shape), probe.peak_bytes);
+        assert_eq!(estimate.need(Shape::new(512, 512, 2)), 2 * probe.peak_bytes, "errs high on batches");
+        // A render of another shape gives the fit its second shape: the model comes out.
+        estimate.observe(synthetic(Shape::new(1024, 1024, 1)), 8);
+        let between = synthetic(Shape::new(768, 768, 1));
+        assert!(estimate.need(between.shape).abs_diff(between.peak_bytes) <= 1, "rounding only");
     }
 
     /// A size that costs more than its pixels say (1152x896 on the H200): probed with one

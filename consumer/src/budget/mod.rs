@@ -32,15 +32,27 @@
 //! **Water levels** ([`Water`]) read the card's real fill and override the plan: above
 //! `stop_fetch_at` admission is closed whatever the estimates say.
 //!
-//! Modules: `config` (the `[budget]` section), `probe` (the [`GpuProbe`] trait and peak
-//! measurement), `nvml` (real cards), `simulated` (CPU runs and tests), `estimate` (the need
-//! model), `fingerprint` (its persistence), `water` (levels).
+//! **A share of a card** (`max_mib`): the budget reads every snapshot through the worker's
+//! share (`share.rs`), so room, water levels and status are of the share.
+//!
+//! **Calibration** ([`Calibration`]) plans each probe render against the room before it runs
+//! and turns a probe that ran out of memory into the card's ceiling for that shape; which
+//! classes the result can hold is a [`ClassReport`].
+//!
+//! Modules: `config` (the `[budget]` section), `share` (`max_mib`), `probe` (the [`GpuProbe`]
+//! trait and peak measurement), `nvml` (real cards), `simulated` (CPU runs and tests),
+//! `estimate` (the need model), `calibration` (probes planned against the room), `classes`
+//! (the classes setting and what the budget holds of each), `fingerprint` (the estimate's
+//! persistence), `water` (levels).
 
+mod calibration;
+mod classes;
 mod config;
 mod estimate;
 mod fingerprint;
 mod nvml;
 mod probe;
+mod share;
 mod simulated;
 mod water;
 
@@ -50,6 +62,8 @@ use std::time::{Duration, Instant};
 use shotfleet_schema::MemoryClass;
 use tracing::warn;
 
+pub use calibration::{Calibration, CalibrationError, ProbeOutcome, ProbeRecord};
+pub use classes::{ClassHold, ClassReport, Classes, Hold};
 pub use config::{BudgetConfig, ConfigError, MIB, SimulateConfig};
 pub use estimate::{Coefficients, Estimate, EstimateError, Sample, Shape};
 pub use fingerprint::{FingerprintError, FingerprintKey, FingerprintStore};
@@ -372,11 +386,24 @@ impl Budget {
         *lock(&self.inner.cache) = None;
     }
 
-    /// The largest one-image shape of `class`: a square of its pixel bound.
-    fn class_shape(&self, class: MemoryClass) -> Shape {
+    /// The largest one-image shape of `class`: a square of its pixel bound. Admission fetches
+    /// a class only while one such image fits.
+    pub fn class_shape(&self, class: MemoryClass) -> Shape {
         let side = class.max_pixels().map_or(self.inner.config.xl_max_side, |pixels| pixels.isqrt() as u32);
         Shape::new(side, side, 1)
     }
+}
+
+/// The room a render would have now beside `resident` bytes of models with nothing in flight,
+/// bytes: what calibration plans its probes against, before there is an estimate to make a
+/// [`Budget`] with.
+///
+/// # Errors
+///
+/// The card could not be read.
+pub fn room_now(config: &BudgetConfig, probe: &dyn GpuProbe, resident: u64) -> Result<u64, ProbeError> {
+    let snapshot = config.view(probe.snapshot()?);
+    Ok(room(config, &snapshot, resident, 0).budget)
 }
 
 /// Locks one of the budget's mutexes. Every value under them is replaced or updated in a few
@@ -392,6 +419,19 @@ struct Room {
     available: u64,
 }
 
+/// The room on the card of `snapshot` (as the worker views it) beside `resident` bytes of
+/// models, with `reserved` bytes promised to jobs in flight.
+fn room(config: &BudgetConfig, snapshot: &GpuSnapshot, resident: u64, reserved: u64) -> Room {
+    let capped = (snapshot.total as f64 * config.max_fill) as u64;
+    let cap_room = capped.saturating_sub(resident).saturating_sub(config.reserve_bytes());
+    // What we hold beyond the models is in-flight renders (already in `reserved`) and arena
+    // cache: count it back as free up to the reservations, where the driver tells us.
+    let ours_in_flight = snapshot.own_used.map_or(0, |own| own.saturating_sub(resident)).min(reserved);
+    let free_room = (snapshot.free + ours_in_flight).saturating_sub(config.margin_bytes());
+    let budget = cap_room.min(free_room);
+    Room { budget, available: budget.saturating_sub(reserved) }
+}
+
 impl Inner {
     fn plan(&self) -> MutexGuard<'_, Plan> {
         lock(&self.plan)
@@ -404,21 +444,13 @@ impl Inner {
         {
             return Ok(snapshot.clone());
         }
-        let snapshot = self.probe.snapshot()?;
+        let snapshot = self.config.view(self.probe.snapshot()?);
         *cache = Some((Instant::now(), snapshot.clone()));
         Ok(snapshot)
     }
 
     fn room(&self, snapshot: &GpuSnapshot, plan: &Plan) -> Room {
-        let config = &self.config;
-        let capped = (snapshot.total as f64 * config.max_fill) as u64;
-        let cap_room = capped.saturating_sub(plan.resident).saturating_sub(config.reserve_bytes());
-        // What we hold beyond the models is in-flight renders (already in `reserved`) and arena
-        // cache: count it back as free up to the reservations, where the driver tells us.
-        let ours_in_flight = snapshot.own_used.map_or(0, |own| own.saturating_sub(plan.resident)).min(plan.reserved);
-        let free_room = (snapshot.free + ours_in_flight).saturating_sub(config.margin_bytes());
-        let budget = cap_room.min(free_room);
-        Room { budget, available: budget.saturating_sub(plan.reserved) }
+        room(&self.config, snapshot, plan.resident, plan.reserved)
     }
 
     fn planned(&self, plan: &Plan, shape: Shape) -> u64 {
@@ -428,8 +460,7 @@ impl Inner {
 
 #[cfg(test)]
 mod tests {
-    use shotfleet_schema::names::Named;
-    use super::*;
+        use super::*;
 
     /// A card whose readings the test sets: exact numbers for the arithmetic.
     struct Scripted(Mutex<GpuSnapshot>);
@@ -515,9 +546,9 @@ mod tests {
     fn admission_counts_jobs_per_class_at_its_largest_size() {
         // 1340 MiB of room; planned one-image needs: xs 365.2, s 409.2, m 470.8, l 646.8, xl 893.2 MiB.
         let (budget, _) = budget(card(0, 1500 * MIB, true));
-        let admission = budget.admit(MemoryClass::all()).unwrap();
+        let admission = budget.admit(MemoryClass::ALL).unwrap();
         assert_eq!(admission.water, Water::More, "61% used");
-        let jobs: Vec<u32> = MemoryClass::all().iter().map(|&c| admission.jobs(c)).collect();
+        let jobs: Vec<u32> = MemoryClass::ALL.iter().map(|&c| admission.jobs(c)).collect();
         assert_eq!(jobs, [3, 3, 2, 2, 1]);
         // Asked only for some classes, it answers only for those.
         assert_eq!(
@@ -531,20 +562,20 @@ mod tests {
         // 800 MiB of idle cache: room 540 MiB holds xs..m, not l (646.8) or xl (893.2); given
         // back, the room is 1340 MiB and holds all five.
         let (cached, _) = budget(card(800 * MIB, 1500 * MIB, true));
-        let admission = cached.admit(MemoryClass::all()).unwrap();
+        let admission = cached.admit(MemoryClass::ALL).unwrap();
         assert_eq!(admission.classes(), [MemoryClass::Xs, MemoryClass::S, MemoryClass::M]);
-        assert!(cached.shrinking_opens(MemoryClass::all()).unwrap());
+        assert!(cached.shrinking_opens(MemoryClass::ALL).unwrap());
         // No cache, another process holds the card: xl is out, and a shrink would not change it.
         let (crowded, _) = budget(card(0, 2000 * MIB, true));
-        let admission = crowded.admit(MemoryClass::all()).unwrap();
+        let admission = crowded.admit(MemoryClass::ALL).unwrap();
         assert_eq!(admission.jobs(MemoryClass::Xl), 0);
-        assert!(!crowded.shrinking_opens(MemoryClass::all()).unwrap());
+        assert!(!crowded.shrinking_opens(MemoryClass::ALL).unwrap());
         // Everything fits: nothing to open.
         let (roomy, _) = budget(card(800 * MIB, 0, true));
-        assert!(!roomy.shrinking_opens(MemoryClass::all()).unwrap());
+        assert!(!roomy.shrinking_opens(MemoryClass::ALL).unwrap());
         // Our usage unknown: a class left out may be our cache's doing.
         let (unknown, _) = budget(card(800 * MIB, 1500 * MIB, false));
-        assert!(unknown.shrinking_opens(MemoryClass::all()).unwrap());
+        assert!(unknown.shrinking_opens(MemoryClass::ALL).unwrap());
     }
 
     #[test]
@@ -578,13 +609,13 @@ mod tests {
         let (budget, probe) = budget(filled(0.93));
         assert!(budget.status().unwrap().available > budget.planned(512, 512, 1), "the plan alone would admit xs");
         assert_eq!(budget.water().unwrap(), Water::Stop);
-        assert!(budget.admit(MemoryClass::all()).unwrap().fits.is_empty());
+        assert!(budget.admit(MemoryClass::ALL).unwrap().fits.is_empty());
         *probe.0.lock().unwrap() = filled(0.88);
         assert_eq!(budget.water().unwrap(), Water::Lower);
-        assert!(!budget.admit(MemoryClass::all()).unwrap().fits.is_empty());
+        assert!(!budget.admit(MemoryClass::ALL).unwrap().fits.is_empty());
         assert_eq!(budget.largest_batch(64, 64, 4).unwrap(), 2, "lower water halves the batch");
         *probe.0.lock().unwrap() = filled(0.5);
-        assert_eq!(budget.admit(MemoryClass::all()).unwrap().water, Water::More);
+        assert_eq!(budget.admit(MemoryClass::ALL).unwrap().water, Water::More);
         assert_eq!(budget.largest_batch(64, 64, 4).unwrap(), 4);
     }
 
@@ -595,6 +626,57 @@ mod tests {
         let after = budget.observe_oom(1024, 1024, 2);
         assert_eq!(after, (before as f64 * 1.1).ceil() as u64);
         assert!(budget.planned(1024, 1024, 3) >= after, "larger shapes inherit the floor");
+    }
+
+    #[test]
+    fn a_share_is_budgeted_as_a_card_of_its_size() {
+        // Another worker holds 2600 MiB of the 4 GiB card; this one may use 2500 MiB of it.
+        let shared = |others: u64| {
+            let probe = Arc::new(Scripted(Mutex::new(card(0, others, true))));
+            let config = BudgetConfig { snapshot_max_age_ms: 0, max_mib: Some(2500), ..BudgetConfig::default() };
+            (Budget::new(config, probe.clone(), estimate(), RESIDENT).unwrap(), probe)
+        };
+        let (share, probe) = shared(0);
+        // As a 2500 MiB card holding only this worker: 2500 x 0.9 - 1000 resident - 512 reserve.
+        let alone = GpuSnapshot { total: 2500 * MIB, used: RESIDENT, free: 2500 * MIB - RESIDENT, ..card(0, 0, true) };
+        let (small, _) = budget(alone);
+        let status = share.status().unwrap();
+        assert_eq!(status.budget, (2500.0 * 0.9 * MIB as f64) as u64 - RESIDENT - 512 * MIB);
+        assert_eq!((status.budget, status.total, status.used), {
+            let small = small.status().unwrap();
+            (small.budget, small.total, small.used)
+        });
+        // The other worker's 2600 MiB are not in this one's water: 40% of the share, not 88% of
+        // the card. But they leave 496 MiB free on the card, less than the share has left.
+        *probe.0.lock().unwrap() = card(0, 2600 * MIB, true);
+        assert_eq!(share.water().unwrap(), Water::More);
+        assert_eq!(share.status().unwrap().budget, (496 - 256) * MIB);
+        assert_eq!(share.admit(MemoryClass::ALL).unwrap().classes(), [] as [MemoryClass; 0], "xs plans 365.2 MiB");
+        // This worker's own renders fill its share: 2350 of 2500 MiB is past stop-fetch.
+        let (share, probe) = shared(0);
+        *probe.0.lock().unwrap() = card(1350 * MIB, 0, true);
+        assert_eq!(share.water().unwrap(), Water::Stop);
+    }
+
+    #[test]
+    fn the_class_report_says_why_a_class_is_not_served() {
+        use MemoryClass::{L, S, Xl, Xs};
+        // 540 MiB of room: one image plans xs 365.2, s 409.2, m 470.8, l 646.8, xl 893.2 MiB.
+        let (budget, _) = budget(card(0, 2300 * MIB, true));
+        let reasons = |report: &ClassReport| report.holds.iter().map(|h| h.hold.reason()).collect::<Vec<_>>();
+        let fresh = ClassReport::of(&Classes::Auto, &budget, &Calibration::new(0.1)).unwrap();
+        assert_eq!(reasons(&fresh), ["fits", "fits", "fits", "over_budget", "over_budget"]);
+        assert_eq!(fresh.served(), [Xs, S, MemoryClass::M]);
+        let lines = fresh.lines();
+        assert!(lines.contains("xs: served (one 512x512 image plans 365 MiB of 540 MiB of room)"), "{lines}");
+        assert!(lines.contains("l: not served (over budget: one 1536x1536 image plans 646 MiB, the room beside the models is 540 MiB)"), "{lines}");
+        // A 1024x1024 probe ran out of memory: m and everything larger is past the ceiling.
+        let mut calibration = Calibration::new(0.1);
+        calibration.ran_out(Shape::new(1024, 1024, 1), 540 * MIB);
+        let listed = ClassReport::of(&Classes::List(vec![Xs, L, Xl]), &budget, &calibration).unwrap();
+        assert_eq!(reasons(&listed), ["fits", "not_configured", "not_configured", "out_of_memory", "out_of_memory"]);
+        assert_eq!(listed.served(), [Xs]);
+        assert!(listed.lines().contains("l: not served (out of memory: the 1024x1024x1 probe ran out at start"), "{}", listed.lines());
     }
 
     #[test]

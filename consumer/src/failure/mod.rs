@@ -122,6 +122,12 @@ pub const EXIT_DRIVER_FAULT: i32 = 75;
 /// reached, in-flight work finished first): not a failure, restart at once.
 pub const EXIT_RESTART: i32 = 76;
 
+/// Exit status when the card holds none of the classes the worker may serve (not even its
+/// smallest probe): a restart will not help until the card, its share (`max_mib`), the other
+/// processes on it or `classes` change. 78 is `EX_CONFIG` in `sysexits.h`; systemd:
+/// `RestartPreventExitStatus=2 78`.
+pub const EXIT_NOTHING_FITS: i32 = 78;
+
 /// Exit status when the object store refused for good while serving (credentials revoked,
 /// permission denied, the bucket deleted): the worker gave its jobs back; restarting helps
 /// only once an operator fixed the store. 77 is `EX_NOPERM` in `sysexits.h`.

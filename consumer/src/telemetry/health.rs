@@ -12,6 +12,8 @@ use std::sync::{Arc, PoisonError, RwLock};
 #[derive(Debug, Clone)]
 pub struct Health {
     state: Arc<RwLock<State>>,
+    /// Shown after the state: which classes the worker serves, and why not the others.
+    detail: Arc<RwLock<String>>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -29,7 +31,16 @@ impl Default for Health {
 
 impl Health {
     pub fn new() -> Self {
-        Self { state: Arc::new(RwLock::new(State::NotReady("starting".into()))) }
+        Self { state: Arc::new(RwLock::new(State::NotReady("starting".into()))), detail: Arc::default() }
+    }
+
+    /// Lines `/readyz` shows after its first, ready or not (`m: not served (...)`).
+    pub fn set_detail(&self, detail: impl Into<String>) {
+        *self.detail.write().unwrap_or_else(PoisonError::into_inner) = detail.into();
+    }
+
+    pub fn detail(&self) -> String {
+        self.detail.read().unwrap_or_else(PoisonError::into_inner).clone()
     }
 
     pub fn set_ready(&self) {
@@ -76,6 +87,15 @@ mod tests {
         assert_eq!(health.readiness(), Ok(()));
         clone.set_not_ready("rebuilding sessions");
         assert_eq!(health.readiness(), Err("not ready: rebuilding sessions".into()));
+    }
+
+    #[test]
+    fn the_detail_is_kept_whatever_the_state() {
+        let health = Health::new();
+        assert_eq!(health.detail(), "");
+        health.set_detail("xs: served\nm: not served (over budget)");
+        health.set_ready();
+        assert_eq!(health.detail(), "xs: served\nm: not served (over budget)");
     }
 
     #[test]

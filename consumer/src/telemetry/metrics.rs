@@ -8,8 +8,7 @@ use std::time::Duration;
 
 use metrics::{Unit, counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
-use shotfleet_schema::names::Named;
-use shotfleet_schema::{Priority, SubjectClass};
+use shotfleet_schema::{MemoryClass, Priority, SubjectClass};
 
 use super::TelemetryError;
 
@@ -26,6 +25,7 @@ pub const ESTIMATE_ERROR_RATIO: &str = "shotfleet_estimate_error_ratio";
 pub const IN_FLIGHT_JOBS: &str = "shotfleet_in_flight_jobs";
 pub const OUT_OF_MEMORY_TOTAL: &str = "shotfleet_out_of_memory_total";
 pub const SESSION_REBUILDS_TOTAL: &str = "shotfleet_session_rebuilds_total";
+pub const CLASS_SERVABLE: &str = "shotfleet_class_servable";
 
 /// Seconds a job waited in the stream; backfill (`p2`) can wait hours under load.
 const QUEUE_WAIT_BUCKETS: &[f64] =
@@ -109,14 +109,18 @@ fn describe() {
     describe_histogram!(UPLOAD_SECONDS, Unit::Seconds, "Time to upload one job's images, retries included.");
     describe_gauge!(BUDGET_FREE_BYTES, Unit::Bytes, "GPU memory budget not yet promised to jobs.");
     describe_gauge!(BUDGET_USED_BYTES, Unit::Bytes, "GPU memory budget promised to running jobs.");
-    describe_gauge!(GPU_MEMORY_USED_BYTES, Unit::Bytes, "GPU memory in use on the card (NVML), every process.");
-    describe_gauge!(GPU_MEMORY_TOTAL_BYTES, Unit::Bytes, "GPU memory on the card (NVML).");
+    describe_gauge!(GPU_MEMORY_USED_BYTES, Unit::Bytes, "GPU memory in use on the card (NVML), every process; with [budget] max_mib, this worker's in its share.");
+    describe_gauge!(GPU_MEMORY_TOTAL_BYTES, Unit::Bytes, "GPU memory on the card (NVML); with [budget] max_mib, the share.");
     describe_gauge!(GPU_UTILIZATION_RATIO, "GPU busy fraction over NVML's last sample period, 0 to 1.");
     describe_histogram!(
         ESTIMATE_ERROR_RATIO,
         "(observed - estimated) / estimated peak memory per job; above 0 the estimate was too low."
     );
     describe_gauge!(IN_FLIGHT_JOBS, Unit::Count, "Jobs fetched and not yet acked, naked or terminated.");
+    describe_gauge!(
+        CLASS_SERVABLE,
+        "1 for each memory class this worker serves, 0 for the others; `reason` says why (fits, not_configured, out_of_memory, over_budget), as calibrated at start."
+    );
 }
 
 /// Counts one job leaving the worker.
@@ -170,6 +174,12 @@ pub fn estimate_error(estimated_bytes: u64, observed_bytes: u64, cold: bool) {
 /// Counts a render that ran out of memory.
 pub fn out_of_memory() {
     counter!(OUT_OF_MEMORY_TOTAL).increment(1);
+}
+
+/// Records whether this worker serves `class` and why (`fits`, `not_configured`,
+/// `out_of_memory`, `over_budget`).
+pub fn class_servable(class: MemoryClass, served: bool, reason: &'static str) {
+    gauge!(CLASS_SERVABLE, "class" => class.as_str(), "reason" => reason).set(if served { 1.0 } else { 0.0 });
 }
 
 /// Counts a rebuild of the sessions by the leak guard.

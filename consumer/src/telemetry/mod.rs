@@ -11,7 +11,7 @@
 //! | --- | --- |
 //! | `/metrics` | Prometheus text format |
 //! | `/healthz` | 200 while the process runs (liveness: restart the pod when it stops answering) |
-//! | `/readyz` | 200 once models are loaded and a probe render passed; 503 with the reason before that, while the worker has stopped fetching, and while draining on shutdown |
+//! | `/readyz` | 200 once models are loaded and a probe render passed; 503 with the reason before that, while the worker has stopped fetching, and while draining on shutdown. Either way, once calibrated, one line per memory class after the first: served, or not and why (`m: not served (out of memory: ...)`) |
 //!
 //! # Metrics
 //!
@@ -26,13 +26,16 @@
 //! | `shotfleet_upload_seconds` | histogram | | one job's upload, store retries included |
 //! | `shotfleet_budget_free_bytes` | gauge | | GPU memory budget not yet promised to jobs |
 //! | `shotfleet_budget_used_bytes` | gauge | | budget promised to running jobs |
-//! | `shotfleet_gpu_memory_used_bytes` | gauge | | memory in use on the card (NVML), other processes included |
-//! | `shotfleet_gpu_memory_total_bytes` | gauge | | memory on the card |
+//! | `shotfleet_gpu_memory_used_bytes` | gauge | | memory in use on the card (NVML), other processes included; under `[budget] max_mib`, this worker's own usage of its share |
+//! | `shotfleet_gpu_memory_total_bytes` | gauge | | memory on the card; under `[budget] max_mib`, the share |
 //! | `shotfleet_gpu_utilization_ratio` | gauge | | busy fraction, 0..1 |
 //! | `shotfleet_estimate_error_ratio` | histogram | `start` | (observed - estimated) / estimated peak memory per job (at `concurrency = 1`); `start="cold"`: the render began from shrunk arenas and the peak is its own, mass above 0 means the estimate runs low; `start="warm"`: the peak includes what earlier renders left cached, an upper bound |
 //! | `shotfleet_in_flight_jobs` | gauge | | jobs fetched and not yet settled |
+//! | `shotfleet_class_servable` | gauge | `class`, `reason` | 1 for a class this worker serves, 0 for one it does not, as calibrated at start. `reason`: `fits` (one image of its largest size fits the idle budget), `not_configured` (not in `classes`), `out_of_memory` (a probe at or below that size ran out of memory at start: the card's ceiling), `over_budget` (planned over the room beside the models) |
 //!
 //! Useful queries: `sum by (outcome) (rate(shotfleet_jobs_total[5m]))`;
+//! `shotfleet_class_servable == 0 unless on(class) shotfleet_class_servable{reason="not_configured"}`
+//! (classes a worker was asked to serve and cannot);
 //! `histogram_quantile(0.95, sum by (le, priority) (rate(shotfleet_queue_wait_seconds_bucket[5m])))`;
 //! `shotfleet_gpu_memory_used_bytes / shotfleet_gpu_memory_total_bytes` against the 85% / 92% water levels.
 
@@ -46,9 +49,9 @@ use serde::Deserialize;
 
 pub use self::health::Health;
 pub use self::metrics::{
-    BUDGET_FREE_BYTES, BUDGET_USED_BYTES, ESTIMATE_ERROR_RATIO, GPU_MEMORY_TOTAL_BYTES, GPU_MEMORY_USED_BYTES,
+    BUDGET_FREE_BYTES, BUDGET_USED_BYTES, CLASS_SERVABLE, ESTIMATE_ERROR_RATIO, GPU_MEMORY_TOTAL_BYTES, GPU_MEMORY_USED_BYTES,
     GPU_UTILIZATION_RATIO, IN_FLIGHT_JOBS, InFlight, JOBS_TOTAL, JobOutcome, OUT_OF_MEMORY_TOTAL, QUEUE_WAIT_SECONDS,
-    RENDER_SECONDS, SESSION_REBUILDS_TOTAL, UPLOAD_SECONDS, budget, estimate_error, gpu_memory, gpu_utilization, in_flight,
+    RENDER_SECONDS, SESSION_REBUILDS_TOTAL, UPLOAD_SECONDS, budget, class_servable, estimate_error, gpu_memory, gpu_utilization, in_flight,
     install, job_finished, out_of_memory, queue_wait, render_time, session_rebuilt, upload_time,
 };
 pub use self::server::{TelemetryServer, serve};

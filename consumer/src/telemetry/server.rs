@@ -100,8 +100,10 @@ async fn healthz() -> &'static str {
 }
 
 async fn readyz(State(state): State<AppState>) -> (StatusCode, String) {
-    match state.health.readiness() {
-        Ok(()) => (StatusCode::OK, "ready\n".into()),
-        Err(reason) => (StatusCode::SERVICE_UNAVAILABLE, format!("{reason}\n")),
-    }
+    let (status, first) = match state.health.readiness() {
+        Ok(()) => (StatusCode::OK, "ready".to_owned()),
+        Err(reason) => (StatusCode::SERVICE_UNAVAILABLE, reason),
+    };
+    let detail = state.health.detail();
+    if detail.is_empty() { (status, format!("{first}\n")) } else { (status, format!("{first}\n{detail}\n")) }
 }

@@ -90,6 +90,8 @@ pub struct CheckSummary {
     pub coefficients: crate::budget::Coefficients,
     /// The probe renders the estimate was fitted on.
     pub calibration: Vec<ProbePeak>,
+    /// Each memory class: whether a worker with this config would serve it here, and why not.
+    pub classes: Vec<String>,
 }
 
 /// One probe render's peak.
@@ -102,7 +104,7 @@ pub struct ProbePeak {
 }
 
 impl CheckSummary {
-    pub fn of(checked: &[CheckedShape], estimate: &crate::budget::Estimate) -> Self {
+    pub fn of(checked: &[CheckedShape], estimate: &crate::budget::Estimate, classes: &crate::budget::ClassReport) -> Self {
         let mib = MIB as f64;
         Self {
             shapes: checked.len(),
@@ -114,6 +116,7 @@ impl CheckSummary {
                 .iter()
                 .map(|s| ProbePeak { width: s.shape.width, height: s.shape.height, images: s.shape.images, peak_mib: s.peak_bytes as f64 / mib })
                 .collect(),
+            classes: classes.holds.iter().map(ToString::to_string).collect(),
         }
     }
 }
@@ -155,7 +158,7 @@ pub async fn check_budget(config: &WorkerConfig, shapes: &[Shape]) -> Result<(Ve
             arenas_mib,
         });
     }
-    let summary = CheckSummary::of(&checked, &ready.budget.estimate());
+    let summary = CheckSummary::of(&checked, &ready.budget.estimate(), &ready.classes);
     Ok((checked, summary))
 }
 

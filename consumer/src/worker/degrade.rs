@@ -10,7 +10,6 @@
 //! floor the job fails with reason `oom`.
 
 use serde::Deserialize;
-use shotfleet_schema::names::Named;
 use shotfleet_schema::encoding::{self, ContentType};
 use shotfleet_schema::subject::{self, SubjectClass};
 use shotfleet_schema::{Degrade, MemoryClass, Original, ShotJob};
@@ -71,7 +70,7 @@ pub async fn republish(shared: &Shared, delivery: &Delivery, smaller: &ShotJob) 
 fn smaller_size(width: u32, height: u32, min_side: u32) -> Option<(u32, u32)> {
     let pixels = f64::from(width) * f64::from(height);
     let class = MemoryClass::of_size(width, height);
-    let target = MemoryClass::all()
+    let target = MemoryClass::ALL
         .iter()
         .rev()
         .find(|c| **c < class)

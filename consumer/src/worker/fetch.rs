@@ -10,7 +10,6 @@ use std::time::Instant;
 use async_nats::jetstream::consumer::PullConsumer;
 use async_nats::jetstream::stream::Stream;
 use futures::StreamExt;
-use shotfleet_schema::names::Named;
 use shotfleet_schema::subject::{self, Priority, SubjectClass};
 use shotfleet_schema::MemoryClass;
 
@@ -32,7 +31,7 @@ impl Consumers {
     pub async fn bind(stream: &Stream, classes: &[MemoryClass]) -> Result<Self, String> {
         let mut render = Vec::new();
         let mut auto = Vec::new();
-        for &priority in Priority::all() {
+        for &priority in Priority::ALL {
             let served = classes.iter().map(|c| SubjectClass::Class(*c));
             for class in served.chain([SubjectClass::Auto]) {
                 let (name, _) = subject::consumer(priority, class);

@@ -6,7 +6,8 @@
 //! in-flight jobs the grace period, cancels what is left (naked at once, so other workers take
 //! it) and drains the connection.
 //!
-//! - [`startup`]: load, calibrate, fitness render;
+//! - [`startup`]: load, calibrate ([`calibrate`]), fitness render; [`serving`]: the classes the
+//!   calibrated budget holds;
 //! - [`fetch`]: which consumers, how many jobs, in which order ([`priority`]);
 //! - [`job`]: one job's steps: take, [`render`] (with the in-place ladder and the time limit),
 //!   upload and [`commit`] (the outcome as the commit point), then [`settle`], the one place
@@ -18,6 +19,7 @@
 
 pub mod advisory;
 pub mod attempts;
+pub mod calibrate;
 pub mod check;
 pub mod commit;
 pub mod degrade;
@@ -31,6 +33,7 @@ pub mod priority;
 pub mod render;
 pub mod route;
 pub mod settle;
+pub mod serving;
 pub mod startup;
 
 use std::future::Future;
@@ -64,17 +67,24 @@ pub enum WorkerError {
     /// The object store refuses for good; fix it, then restart (`EXIT_STORE`).
     #[error("the object store is unusable: {0}")]
     StoreUnusable(String),
+    /// The card holds none of the classes the worker may serve (`EXIT_NOTHING_FITS`): it needs a larger
+    /// card or share, fewer other processes on it, or other classes.
+    #[error(
+        "this card holds nothing this worker may serve; give it a larger card or `[budget] max_mib`, move other processes off the card, or change `classes`: {0}"
+    )]
+    NothingFits(String),
 }
 
 impl WorkerError {
     /// The exit code for the supervisor.
     pub fn exit_code(&self) -> i32 {
-        use crate::failure::{EXIT_DRIVER_FAULT, EXIT_RESTART, EXIT_START, EXIT_STORE};
+        use crate::failure::{EXIT_DRIVER_FAULT, EXIT_NOTHING_FITS, EXIT_RESTART, EXIT_START, EXIT_STORE};
         match self {
             Self::Start { .. } => EXIT_START,
             Self::DriverFault(_) => EXIT_DRIVER_FAULT,
             Self::Restart(_) => EXIT_RESTART,
             Self::StoreUnusable(_) => EXIT_STORE,
+            Self::NothingFits(_) => EXIT_NOTHING_FITS,
         }
     }
 }
@@ -254,6 +264,8 @@ pub async fn run(
 
     health.set_not_ready("loading models and calibrating");
     let ready = startup::prepare(&config).await.inspect_err(|e| health.set_not_ready(e.to_string()))?;
+    // Consumers were bound for every candidate class; from here on only those served are fetched.
+    let config = serving::serve(config, &ready.classes, &health).inspect_err(|e| health.set_not_ready(e.to_string()))?;
     let device_name = ready.probe.snapshot().map(|s| s.device).unwrap_or_else(|_| "unknown".into());
     let progress_interval = config.progress_interval.unwrap_or(ack_wait / 3).max(Duration::from_millis(100));
     let meter = (config.concurrency == 1).then_some(ready.meter);
@@ -282,7 +294,7 @@ pub async fn run(
         watch_driver_events(&shared, gpu, watching.clone());
     }
     health.set_ready();
-    info!(worker = %shared.config.worker_id, classes = ?shared.config.classes, "taking jobs");
+    info!(worker = %shared.config.worker_id, classes = %shared.config.classes, "taking jobs");
 
     let tracker = TaskTracker::new();
     let mut guard = leak::LeakGuard::new(&shared).await;
@@ -435,6 +447,10 @@ impl Fetching<'_> {
     /// Starts one job, or one group of jobs, in a slot of its own.
     fn start(&self, batch: Vec<delivery::Delivery>) {
         let permit = self.slots.clone().try_acquire_owned().expect("a slot was counted free");
+        if self.shared.config.budget.cold_renders {
+            // This job's render gives its arenas back at its end: the next starts cold.
+            self.shared.pipeline().request_arena_shrink();
+        }
         let (shared, finished) = (self.shared.clone(), self.finished.clone());
         self.tracker.spawn(async move {
             match <[_; 1]>::try_from(batch) {

@@ -8,7 +8,6 @@
 
 use std::time::{Duration, Instant};
 
-use shotfleet_schema::names::Named;
 use shotfleet_schema::Priority;
 
 use crate::config::PriorityConfig;
@@ -31,10 +30,10 @@ impl Scheduler {
             self.bounds[p.rank()].and_then(|bound| now.duration_since(self.last_served[p.rank()]).checked_sub(bound))
         };
         let mut overdue: Vec<(Duration, Priority)> =
-            Priority::all().iter().filter_map(|&p| overdue_by(p).map(|d| (d, p))).collect();
+            Priority::ALL.iter().filter_map(|&p| overdue_by(p).map(|d| (d, p))).collect();
         overdue.sort_by_key(|&(by, _)| std::cmp::Reverse(by));
         let mut order: Vec<Priority> = overdue.iter().map(|(_, p)| *p).collect();
-        let rest: Vec<Priority> = Priority::all().iter().copied().filter(|p| !order.contains(p)).collect();
+        let rest: Vec<Priority> = Priority::ALL.iter().copied().filter(|p| !order.contains(p)).collect();
         order.extend(rest);
         order
     }

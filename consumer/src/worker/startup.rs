@@ -1,17 +1,18 @@
 //! Start-up: load the models, measure what they take, calibrate the budget, prove the card works.
 //!
 //! Nothing is fetched before this has passed: a worker whose models do not load or whose probe
-//! render fails never takes a job (and `/readyz` stays 503 with the reason).
+//! render fails never takes a job (and `/readyz` stays 503 with the reason). A probe that runs
+//! out of memory is no failure: calibration plans around it (`calibrate.rs`).
 
 use std::sync::Arc;
 use std::time::Instant;
 
 use tracing::info;
 
-use crate::budget::{self, Budget, Estimate, FingerprintKey, FingerprintStore, GpuProbe, PeakMeter, Sample, Shape};
+use crate::budget::{self, Budget, Calibration, ClassReport, FingerprintKey, FingerprintStore, GpuProbe, GpuSnapshot, PeakMeter, Shape};
 use crate::config::{DeviceKind, WorkerConfig};
-use crate::pipeline::{Device, Pipeline, PipelineOptions, RenderRequest};
-use crate::worker::WorkerError;
+use crate::pipeline::{Device, Pipeline, PipelineOptions, RenderError, RenderRequest};
+use crate::worker::{WorkerError, calibrate};
 
 /// The models and the budget, ready to serve.
 pub struct Ready {
@@ -20,6 +21,10 @@ pub struct Ready {
     pub probe: Arc<dyn GpuProbe>,
     /// Peaks above the post-load baseline, for learning from jobs.
     pub meter: Arc<PeakMeter>,
+    /// What became of each probe (empty when a stored fingerprint was reused).
+    pub calibration: Calibration,
+    /// Which classes the calibrated budget holds, of those `classes` allows.
+    pub classes: ClassReport,
 }
 
 /// Loads, calibrates (or reuses a stored fingerprint) and runs a fitness render.
@@ -30,7 +35,10 @@ pub async fn prepare(config: &WorkerConfig) -> Result<Ready, WorkerError> {
     let started = Instant::now();
     let probe = budget::open_probe(&config.budget, config.gpu_index()).map_err(|e| WorkerError::start("open the GPU probe", e))?;
     let before = probe.snapshot().map_err(|e| WorkerError::start("read the GPU", e))?;
-    let options = pipeline_options(config, before.total, before.free);
+    let options = pipeline_options(config, &before);
+    if let Some(share_mib) = config.budget.max_mib {
+        info!(share_mib, arena_limit_mib = config.budget.arena_limit(before.clone()) / budget::MIB, "this worker's share of the card");
+    }
     let model = config.model.clone();
     let pipeline = blocking(move || Pipeline::load(&model, &options)).await?.map_err(|e| WorkerError::start("load the model", e))?;
     let pipeline = Arc::new(pipeline);
@@ -46,33 +54,51 @@ pub async fn prepare(config: &WorkerConfig) -> Result<Ready, WorkerError> {
     };
     let fingerprints = FingerprintStore::new(&config.state_dir);
     let stored = if config.calibration.reuse_fingerprint { fingerprints.load(&key).ok().flatten() } else { None };
-    let estimate = match stored {
+    let stored = match stored {
+        // Still one render: the fitness check proves the card and the runtime work.
+        Some(estimate) => fitness(config, &pipeline, &meter).await?.then_some(estimate),
+        None => None,
+    };
+    let (estimate, calibration) = match stored {
         Some(estimate) => {
-            // Still one render: the fitness check proves the card and the runtime work.
-            let [w, h, n] = config.calibration.shapes[0];
-            measure(&pipeline, &meter, Shape::new(w, h, n), config.calibration.steps, config.calibration.cold).await?;
             info!("calibration reused from a stored fingerprint");
-            estimate
+            (estimate, Calibration::new(config.budget.safety))
         }
         None => {
-            let mut samples = Vec::new();
-            for &[w, h, n] in &config.calibration.shapes {
-                let shape = Shape::new(w, h, n);
-                let peak = measure(&pipeline, &meter, shape, config.calibration.steps, config.calibration.cold).await?.peak;
-                info!(width = w, height = h, images = n, peak_mib = peak as f64 / budget::MIB as f64, "probe render");
-                samples.push(Sample { shape, peak_bytes: peak });
-            }
-            let estimate = Estimate::calibrate(&samples).map_err(|e| WorkerError::start("calibrate the budget", e))?;
-            if let Err(e) = fingerprints.save(&key, &estimate) {
+            let (estimate, calibration) = calibrate::calibrate(config, &pipeline, &meter, &probe, resident).await?;
+            // Only a calibration of every probe is the card's own: one cut short by a crowded
+            // card is tried in full at the next start.
+            if !calibration.complete() {
+                info!("calibration not stored: not every probe was measured");
+            } else if let Err(e) = fingerprints.save(&key, &estimate) {
                 tracing::warn!(error = %e, "could not store the calibration; the next start calibrates again");
             }
-            estimate
+            (estimate, calibration)
         }
     };
     let budget = Budget::new(config.budget.clone(), probe.clone(), estimate, resident).map_err(|e| WorkerError::start("configure the budget", e))?;
     log_budget(&budget, &config.classes);
+    let classes = ClassReport::of(&config.classes, &budget, &calibration).map_err(|e| WorkerError::start("read the GPU", e))?;
     info!(warmup_s = started.elapsed().as_secs_f64(), "worker ready");
-    Ok(Ready { pipeline, budget, probe, meter })
+    Ok(Ready { pipeline, budget, probe, meter, calibration, classes })
+}
+
+/// The fitness render of a worker that reuses a stored fingerprint: the smallest probe.
+/// `false` when it ran out of memory (the card is more crowded than when the fingerprint was
+/// made): then the worker calibrates, each probe planned against the room it has now.
+async fn fitness(config: &WorkerConfig, pipeline: &Arc<Pipeline>, meter: &Arc<PeakMeter>) -> Result<bool, WorkerError> {
+    let [w, h, n] = config.calibration.shapes[0];
+    if config.calibration.cold {
+        shrink(pipeline).await?;
+    }
+    match probe_render(pipeline, meter, Shape::new(w, h, n), config.calibration.steps).await? {
+        Ok(_) => Ok(true),
+        Err(error) if crate::failure::classify_render(&error) == crate::failure::ErrorKind::Oom => {
+            tracing::warn!(error = %error, "the fitness render ran out of memory; calibrating against the room there is now");
+            Ok(false)
+        }
+        Err(error) => Err(WorkerError::start(&format!("render a {w}x{h}x{n} probe"), error)),
+    }
 }
 
 /// What the operator wants to see at start: the card, the room, and what one image of each
@@ -100,14 +126,15 @@ fn log_budget(budget: &Budget, classes: &[shotfleet_schema::MemoryClass]) {
 }
 
 /// The pipeline's options: on a GPU, ONNX Runtime's arena is capped at what the budget could
-/// ever plan with, so the arena and the budget agree on the card's size.
-fn pipeline_options(config: &WorkerConfig, total: u64, free: u64) -> PipelineOptions {
+/// ever plan with, so the arena and the budget agree on the card's size
+/// ([`BudgetConfig::arena_limit`](budget::BudgetConfig::arena_limit)); on the CPU, so is the
+/// capped arena under `[budget] max_mib`, as it would be on a card of that size.
+fn pipeline_options(config: &WorkerConfig, before: &GpuSnapshot) -> PipelineOptions {
+    let share_limit = config.budget.max_mib.map(|_| config.budget.arena_limit(before.clone()));
     let device = match config.device {
         DeviceKind::Cpu => Device::Cpu,
         DeviceKind::Cuda => {
-            let b = &config.budget;
-            let cap = ((total as f64 * b.max_fill) as u64).min(free.saturating_sub(b.margin_mib * budget::MIB));
-            let mut limit = cap.saturating_sub(b.reserve_mib * budget::MIB);
+            let mut limit = config.budget.arena_limit(before.clone());
             if let Some(mib) = config.faults.arena_limit_mib {
                 tracing::warn!(arena_limit_mib = mib, budget_cap_mib = limit / budget::MIB, "fault injection: the CUDA arena is capped below what the budget plans with");
                 limit = limit.min(mib * budget::MIB);
@@ -118,7 +145,7 @@ fn pipeline_options(config: &WorkerConfig, total: u64, free: u64) -> PipelineOpt
     PipelineOptions {
         device,
         intra_threads: config.intra_threads,
-        cpu_arena_max_mem: config.cpu_arena_max_mib.map(|mib| mib * budget::MIB),
+        cpu_arena_max_mem: [config.cpu_arena_max_mib.map(|mib| mib * budget::MIB), share_limit].into_iter().flatten().min(),
         vae_keeps_arena: config.budget.vae_keeps_arena,
         ..PipelineOptions::default()
     }
@@ -130,6 +157,31 @@ fn pipeline_options(config: &WorkerConfig, total: u64, free: u64) -> PipelineOpt
 /// runs as a job's does, every graph keeping its arena to the end: the peak is the text
 /// encoders', the UNet's and the VAE's arenas together, as a worker's first job of the shape.
 pub(crate) async fn measure(pipeline: &Arc<Pipeline>, meter: &Arc<PeakMeter>, shape: Shape, steps: u32, cold: bool) -> Result<ProbeRender, WorkerError> {
+    if cold {
+        shrink(pipeline).await?;
+    }
+    let what = format!("render a {}x{}x{} probe", shape.width, shape.height, shape.images);
+    probe_render(pipeline, meter, shape, steps).await?.map_err(|e| WorkerError::start(&what, e))
+}
+
+/// Gives every arena's free regions back before (or between) probes (see
+/// `Pipeline::shrink_arenas`).
+pub(crate) async fn shrink(pipeline: &Arc<Pipeline>) -> Result<(), WorkerError> {
+    let pipeline = pipeline.clone();
+    blocking(move || pipeline.shrink_arenas()).await?.map_err(|e| WorkerError::start("shrink the arenas around a probe", e))
+}
+
+/// One probe render of `shape` from the arenas as they are, and its peak above the models; the
+/// render's own error (out of memory, say) for the caller to judge.
+///
+/// # Errors
+/// The outer error: the peak could not be measured.
+pub(crate) async fn probe_render(
+    pipeline: &Arc<Pipeline>,
+    meter: &Arc<PeakMeter>,
+    shape: Shape,
+    steps: u32,
+) -> Result<Result<ProbeRender, RenderError>, WorkerError> {
     let pipeline = pipeline.clone();
     let meter = meter.clone();
     let request = RenderRequest {
@@ -143,18 +195,14 @@ pub(crate) async fn measure(pipeline: &Arc<Pipeline>, meter: &Arc<PeakMeter>, sh
         image_indices: (0..shape.images).collect(),
         max_batch: shape.images as usize,
     };
-    let what = format!("render a {}x{}x{} probe", shape.width, shape.height, shape.images);
-    let (rendered, measured) = blocking(move || {
-        if cold {
-            pipeline.shrink_arenas()?;
-        }
-        Ok::<_, crate::pipeline::RenderError>(meter.measure(|| pipeline.render(&request, &mut |_| std::ops::ControlFlow::Continue(()))))
-    })
-    .await?
-    .map_err(|e| WorkerError::start("shrink the arenas before a probe", e))?;
-    let timings = rendered.map_err(|e| WorkerError::start(&what, e))?.timings;
+    let (rendered, measured) =
+        blocking(move || meter.measure(|| pipeline.render(&request, &mut |_| std::ops::ControlFlow::Continue(())))).await?;
+    let timings = match rendered {
+        Ok(output) => output.timings,
+        Err(e) => return Ok(Err(e)),
+    };
     let peak = measured.map_err(|e| WorkerError::start("measure a probe render", e))?.peak;
-    Ok(ProbeRender { peak, timings })
+    Ok(Ok(ProbeRender { peak, timings }))
 }
 
 /// A probe render's peak memory above the models, bytes, and where its time went.

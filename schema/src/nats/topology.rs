@@ -18,7 +18,6 @@ use std::time::Duration;
 use async_nats::jetstream::{self, consumer, stream};
 use serde::{Deserialize, Serialize};
 
-use crate::names::Named;
 use crate::subject::{self, Priority, SubjectClass};
 
 /// The tunable parts of the topology.
@@ -157,7 +156,7 @@ impl Topology {
     /// The render consumers: one per (priority, class), `auto` included.
     pub fn consumers(&self) -> Vec<consumer::pull::Config> {
         let classes: Vec<SubjectClass> = subject::job_classes().collect();
-        Priority::all()
+        Priority::ALL
             .iter()
             .copied()
             .flat_map(|priority| classes.iter().map(move |class| (priority, *class)))

@@ -1,0 +1,78 @@
+//! The probe renders at start, each planned against the room before it runs
+//! ([`Calibration`]): a probe over the room is skipped, one that runs out of memory anyway is
+//! the card's ceiling for its shape, and calibration goes on with what fits. Only a probe that
+//! fails for another reason (a broken model, a driver fault) stops the start.
+
+use std::sync::Arc;
+
+use tracing::{info, warn};
+
+use crate::budget::{self, Calibration, Estimate, GpuProbe, PeakMeter, ProbeOutcome, Shape};
+use crate::config::WorkerConfig;
+use crate::failure::{ErrorKind, classify_render};
+use crate::pipeline::Pipeline;
+use crate::worker::WorkerError;
+use crate::worker::startup::{probe_render, shrink};
+
+/// Renders the configured probes that fit, smallest first, and fits the estimate to them.
+///
+/// # Errors
+/// [`WorkerError::NothingFits`] when not one probe could be rendered; [`WorkerError::Start`]
+/// when the card cannot be read, a probe fails for another reason than memory, or the peaks
+/// make no estimate.
+pub(crate) async fn calibrate(
+    config: &WorkerConfig,
+    pipeline: &Arc<Pipeline>,
+    meter: &Arc<PeakMeter>,
+    probe: &Arc<dyn GpuProbe>,
+    resident: u64,
+) -> Result<(Estimate, Calibration), WorkerError> {
+    let mut calibration = Calibration::new(config.budget.safety);
+    let room_now = || budget::room_now(&config.budget, &**probe, resident).map_err(|e| WorkerError::start("read the GPU", e));
+    for &[w, h, n] in &config.calibration.shapes {
+        let shape = Shape::new(w, h, n);
+        if config.calibration.cold {
+            // Shrunk before the room is read, so the room is the models' alone.
+            shrink(pipeline).await?;
+        }
+        let room = room_now()?;
+        if let Some(skipped) = calibration.plan(shape, room) {
+            log_skip(shape, skipped);
+            continue;
+        }
+        match probe_render(pipeline, meter, shape, config.calibration.steps).await? {
+            Ok(render) => {
+                info!(width = w, height = h, images = n, peak_mib = render.peak as f64 / budget::MIB as f64, "probe render");
+                calibration.measured(shape, render.peak);
+            }
+            Err(error) if classify_render(&error) == ErrorKind::Oom => {
+                warn!(width = w, height = h, images = n, room_mib = room / budget::MIB, error = %error, "probe ran out of memory: this card's ceiling for the shape");
+                calibration.ran_out(shape, room);
+                shrink(pipeline).await?;
+            }
+            Err(error) => return Err(WorkerError::start(&format!("render a {w}x{h}x{n} probe"), error)),
+        }
+    }
+    // The room the classes are judged against is the idle worker's: the last probe's cache given back.
+    shrink(pipeline).await?;
+    let estimate = calibration.estimate().map_err(|e| match e {
+        budget::CalibrationError::NothingMeasured { .. } => {
+            WorkerError::NothingFits(format!("{e} (the models take {} MiB of the card)", resident / budget::MIB))
+        }
+        other => WorkerError::start("calibrate the budget", other),
+    })?;
+    Ok((estimate, calibration))
+}
+
+fn log_skip(shape: Shape, outcome: ProbeOutcome) {
+    let (w, h, n) = (shape.width, shape.height, shape.images);
+    match outcome {
+        ProbeOutcome::OverRoom { planned, room } => {
+            info!(width = w, height = h, images = n, planned_mib = planned / budget::MIB, room_mib = room / budget::MIB, "probe skipped: over the room");
+        }
+        ProbeOutcome::OverCeiling { ceiling } => {
+            info!(width = w, height = h, images = n, ceiling = %format!("{}x{}x{}", ceiling.width, ceiling.height, ceiling.images), "probe skipped: past a probe that ran out of memory");
+        }
+        ProbeOutcome::Measured { .. } | ProbeOutcome::OutOfMemory { .. } => {}
+    }
+}

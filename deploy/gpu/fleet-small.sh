@@ -1,0 +1,193 @@
+# shellcheck shell=bash
+# The small-card runs of deploy/gpu/fleet.sh (stage `small`, issue 19), sourced by fleet.sh after
+# its configs (write_config, calibration, TUNED, WS_CAPPED, BUDGET_CALIBRATION) and fleet-lib.sh.
+#
+#   card-N     N in SMALL_CARDS_MIB (GPU: 8192 12288 24576): the mixed run's worker (concurrency 2,
+#              the tuned [cuda] tables, the budget stage's calibration, default [budget]) with
+#              [budget] max_mib = N: a card of N MiB. The seeded mixed storyboard (SMALL_JOBS 200,
+#              MIX_STEPS 2): the jobs of the classes the worker serves (its /readyz) are submitted
+#              with --wait; the others are submitted too and left waiting for a roomier worker, as
+#              in a fleet (counted, not awaited). A worker that holds nothing exits 78 at start:
+#              recorded with its reason. FLEET_RUNS `cards` names them all.
+#   pair       two workers on one card and one NATS server: max_mib PAIR_SMALL_MIB (12288) and
+#              the rest of the card (less PAIR_SLACK_MIB, 1024), both the card runs' worker; the
+#              same 200 mixed jobs, awaited. If the small one holds nothing (exit 78), it starts
+#              again with PAIR_FALLBACK_MIB (24576), recorded. Worker ids fleet/small, fleet/big.
+#   long-a, long-b  the 1,000-job mixed run (LONG_JOBS 1000), half each (one call each): the fused
+#              UNet under the hog (HOG_KEEP_FREE_GIB 36 left), concurrency 1 and [budget]
+#              cold_renders = true, so every job's `observed peak` line is its own (live predicted
+#              against observed per shape), LONG_STEPS (1) steps. FLEET_RUNS `long` names both.
+#
+# The CPU dry run scales the shares to the tiny model: SMALL_CARDS_MIB 150 300 1024 (no room at
+# all beside the models, room for no class's largest image, room for xs), pair 1024 and the rest
+# of SIM_TOTAL_MIB.
+
+if [ "$DEVICE" = cuda ]; then
+    SMALL_CARDS_MIB=${SMALL_CARDS_MIB:-8192 12288 24576}
+    PAIR_SMALL_MIB=${PAIR_SMALL_MIB:-12288} PAIR_FALLBACK_MIB=${PAIR_FALLBACK_MIB:-24576}
+    CARD_LIMIT_S=${CARD_LIMIT_S:-200} PAIR_LIMIT_S=${PAIR_LIMIT_S:-240}
+else
+    SMALL_CARDS_MIB=${SMALL_CARDS_MIB:-150 300 1024}
+    PAIR_SMALL_MIB=${PAIR_SMALL_MIB:-1024} PAIR_FALLBACK_MIB=${PAIR_FALLBACK_MIB:-1536}
+    CARD_LIMIT_S=${CARD_LIMIT_S:-60} PAIR_LIMIT_S=${PAIR_LIMIT_S:-90}
+fi
+
+# small_config FILE TOP BUDGET_KEYS: the mixed run's worker (tuned [cuda] tables, the budget
+# stage's calibration) with TOP keys and a [budget] table of BUDGET_KEYS.
+small_config() {
+    write_config "$1" "$2" "$(calibration "$BUDGET_CALIBRATION" 2)"$'\n\n'"$TUNED"$'\n'"$WS_CAPPED"$'\n\n[budget]\n'"$3"
+}
+
+served_classes() {  # ADDR: the classes the worker's /readyz says it serves, comma separated
+    python3 - "http://$1/readyz" << 'EOF' 2> /dev/null
+import sys, urllib.error, urllib.request
+try:
+    body = urllib.request.urlopen(sys.argv[1], timeout=3).read().decode()
+except urllib.error.HTTPError as e:
+    body = e.read().decode()
+except Exception:  # noqa: BLE001 - no answer: nothing served
+    body = ""
+print(",".join(line.split(":")[0] for line in body.splitlines() if ": served" in line))
+EOF
+}
+
+card_total_mib() {  # the card's memory, MiB (the simulation's on the CPU)
+    if [ "$DEVICE" = cpu ]; then echo "${SIM_TOTAL_MIB:-4096}"; return; fi
+    nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits -i "${SHOTFLEET_GPU:-0}" 2> /dev/null | head -n 1 | tr -d ' '
+}
+
+# mixed_jobs NAME JOBS STEPS [ARGS...]: the seeded mixed storyboard into $WORK/jobs.jsonl
+mixed_jobs() {
+    local name=$1 jobs=$2 steps=$3
+    shift 3
+    python3 "$REPO/deploy/gpu/storyboards.py" mixed "$WORK/jobs.jsonl" --run "$name" --set m --jobs "$jobs" \
+        --steps "$steps" --scale "$SCALE" "$@" | tee -a "$RUN_DIR/storyboard.txt"
+}
+
+# The seconds the runs after this one keep back (the ones FLEET_RUNS names).
+kept_for_later() {
+    local after=$1 s=0
+    case "$after" in
+        cards) wanted pair && s=$((s + PAIR_LIMIT_S + 60)) ;;
+    esac
+    echo "$s"
+}
+
+small_card() {  # MIB
+    local mib=$1 name=card-$1 classes timeout
+    wanted cards || wanted "$name" || return 0
+    if [ "$(left)" -lt $((RUN_MIN_S + 30)) ]; then run_skip "$name" "a $mib MiB share" "$(left) s left"; return 0; fi
+    if run_begin "$name" "a $mib MiB share of the card"; then
+        meta max_mib "$mib"
+        meta top "concurrency = 2"
+        meta cuda "$(tr '\n' ';' <<< "$TUNED"$'\n'"$WS_CAPPED")"
+        small_config "$WORK/$name.toml" "concurrency = 2" "max_mib = $mib"
+        if worker_start "$WORK/$name.toml"; then
+            classes=$(served_classes "$METRICS_ADDR")
+            meta served "$classes"
+            mixed_jobs "$name" "${SMALL_JOBS:-200}" "${MIX_STEPS:-2}" --classes "$classes" --rest "$WORK/rest.jsonl"
+            if [ -s "$WORK/rest.jsonl" ]; then
+                # Classes this card does not hold wait for a roomier worker, as in a fleet.
+                cp "$WORK/rest.jsonl" "$RUN_DIR/jobs-rest.jsonl"
+                "$BIN_DIR/shotfleet" submit "$RUN_DIR/jobs-rest.jsonl" > "$RUN_DIR/submit-rest.txt" 2>&1 < /dev/null
+            fi
+            timeout=$(min_of "$CARD_LIMIT_S" $(($(left) - STOP_S - $(kept_for_later cards))))
+            [ "$timeout" -ge 20 ] || timeout=20
+            if [ -s "$WORK/jobs.jsonl" ]; then
+                submit_set m "the mixed jobs of the classes it serves (${MIX_STEPS:-2} steps)" "$WORK/jobs.jsonl" "$timeout"
+            fi
+            "$BIN_DIR/shotfleet" status > "$RUN_DIR/status.txt" 2>&1 < /dev/null
+        fi
+    fi
+    run_end
+}
+
+# pair_small_start MIB: the pair's small worker, in $RUN_DIR/small (its own meta.txt, worker.toml,
+# worker.log), through worker_start with its variables set aside: SMALL_PID and SMALL_ADDR after.
+pair_small_start() {
+    local outer=$RUN_DIR outer_addr=$METRICS_ADDR rc=0
+    RUN_DIR=$outer/small
+    rm -rf "$RUN_DIR"
+    mkdir -p "$RUN_DIR"
+    meta max_mib "$1"
+    small_config "$WORK/pair-small.toml" "concurrency = 2" "max_mib = $1"
+    FLEET_WORKER_ID=fleet/small worker_start "$WORK/pair-small.toml" || rc=$?
+    SMALL_PID=$WORKER_PID SMALL_ADDR=$METRICS_ADDR
+    OTHER_WORKER_PIDS="$OTHER_WORKER_PIDS $SMALL_PID"
+    WORKER_PID='' RUN_DIR=$outer METRICS_ADDR=$outer_addr
+    return "$rc"
+}
+
+pair_small_stop() {
+    local outer=$RUN_DIR outer_addr=$METRICS_ADDR outer_pid=$WORKER_PID
+    RUN_DIR=$outer/small WORKER_PID=$SMALL_PID METRICS_ADDR=$SMALL_ADDR
+    [ -n "$WORKER_PID" ] && scrape_metrics end
+    worker_stop
+    RUN_DIR=$outer WORKER_PID=$outer_pid METRICS_ADDR=$outer_addr SMALL_PID=''
+    OTHER_WORKER_PIDS=''
+}
+
+small_pair() {
+    local total big timeout
+    wanted pair || return 0
+    if [ "$(left)" -lt $((RUN_MIN_S + 60)) ]; then run_skip pair "two workers on one card" "$(left) s left"; return 0; fi
+    if run_begin pair "two workers on one card: a small share and the rest"; then
+        total=$(card_total_mib)
+        meta card_total_mib "$total"
+        SMALL_PID='' SMALL_ADDR=''
+        if ! pair_small_start "$PAIR_SMALL_MIB"; then
+            if [ "$(meta_get "$RUN_DIR/small" worker_exit)" = 78 ]; then
+                log "the $PAIR_SMALL_MIB MiB worker holds nothing (exit 78): the pair runs with $PAIR_FALLBACK_MIB MiB"
+                meta small_holds_nothing_at_mib "$PAIR_SMALL_MIB"
+                mv "$RUN_DIR/small" "$RUN_DIR/small-$PAIR_SMALL_MIB"
+                pair_small_start "$PAIR_FALLBACK_MIB"
+            fi
+        fi
+        # The rest of the card; where its size cannot be read, the whole card (the small one's
+        # usage then shows in what the card has free).
+        big=''
+        [ -n "$total" ] && big=$((total - $(meta_get "$RUN_DIR/small" max_mib) - ${PAIR_SLACK_MIB:-1024}))
+        meta big_max_mib "${big:-whole card}"
+        small_config "$WORK/pair-big.toml" "concurrency = 2" "${big:+max_mib = $big}"
+        [ -n "$SMALL_PID" ] || meta error "the small worker did not start: $(meta_get "$RUN_DIR/small" error)"
+        if [ -n "$SMALL_PID" ] && FLEET_WORKER_ID=fleet/big worker_start "$WORK/pair-big.toml"; then
+            meta served_small "$(served_classes "$SMALL_ADDR")"
+            meta served_big "$(served_classes "$METRICS_ADDR")"
+            mixed_jobs pair "${SMALL_JOBS:-200}" "${MIX_STEPS:-2}" > /dev/null
+            timeout=$(min_of "$PAIR_LIMIT_S" $(($(left) - STOP_S - 10)))
+            submit_set m "${SMALL_JOBS:-200} mixed jobs, both workers (${MIX_STEPS:-2} steps)" "$WORK/jobs.jsonl" "$timeout"
+        fi
+        pair_small_stop
+    fi
+    run_end
+}
+
+small_long() {  # a|b: the first or second half of the 1,000-job run
+    local name=long-$1 jobs=${LONG_JOBS:-1000} half slice timeout
+    wanted long || wanted "$name" || return 0
+    half=$((jobs / 2))
+    if [ "$1" = a ]; then slice=0:$half; else slice=$half:$jobs; fi
+    if [ "$(left)" -lt $((RUN_MIN_S + 100)) ]; then run_skip "$name" "1,000 mixed jobs, half $1" "$(left) s left"; return 0; fi
+    if run_begin "$name" "the 1,000-job mixed run under memory pressure, jobs $slice"; then
+        pressure_start
+        meta top "concurrency = 1"
+        meta cuda "$(tr '\n' ';' <<< "$TUNED"$'\n'"$WS_CAPPED")"
+        meta slice "$slice"
+        SIM_OTHERS=$PRESSURE_SIM_MIB small_config "$WORK/$name.toml" "concurrency = 1" "cold_renders = true"
+        if worker_start "$WORK/$name.toml"; then
+            mixed_jobs long "$jobs" "${LONG_STEPS:-1}" --slice "$slice"
+            timeout=$(($(left) - STOP_S - 10))
+            submit_set m "jobs $slice of $jobs mixed jobs, ${LONG_STEPS:-1} step(s)" "$WORK/jobs.jsonl" "$timeout"
+        fi
+    fi
+    run_end
+    hog_stop
+}
+
+stage_small() {
+    local mib
+    for mib in $SMALL_CARDS_MIB; do small_card "$mib"; done
+    small_pair
+    small_long a
+    small_long b
+}
