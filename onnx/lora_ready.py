@@ -68,13 +68,17 @@ def log(msg: str) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def target_modules(module) -> dict[str, np.ndarray]:
-    """Every nn.Linear and nn.Conv2d weight of `module`, float32, by diffusers/transformers path."""
+def target_modules(module, part: str) -> dict[str, np.ndarray]:
+    """Every nn.Linear and nn.Conv2d weight of `module`, float32, by the path checkpoints and LoRA
+    files use (diffusers' for the UNet, `text_model.encoder.layers...` for the text encoders:
+    transformers 5 builds CLIPTextModel without its `text_model` level)."""
     import torch
 
     out = {}
     for name, m in module.named_modules():
         if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d)):
+            if part != "unet" and not name.startswith("text_model."):
+                name = "text_model." + name
             out[name] = m.weight.detach().float().cpu().numpy()
     return out
 
@@ -327,7 +331,7 @@ def prepare(model_dir: Path, torch_models: dict, parts=PARTS) -> dict:
     """Prepares `parts` of `model_dir` in place from the torch modules they were exported from."""
     report = {}
     for part in parts:
-        report[part] = prepare_part(model_dir / part, target_modules(torch_models[part]), part)
+        report[part] = prepare_part(model_dir / part, target_modules(torch_models[part], part), part)
     return report
 
 
