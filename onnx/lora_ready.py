@@ -77,7 +77,7 @@ def target_modules(module, part: str) -> dict[str, np.ndarray]:
     out = {}
     for name, m in module.named_modules():
         if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d)):
-            if part != "unet" and not name.startswith("text_model."):
+            if part != "unet" and name.startswith(("encoder.", "embeddings.", "final_layer_norm")):
                 name = "text_model." + name
             out[name] = m.weight.detach().float().cpu().numpy()
     return out

@@ -78,7 +78,8 @@ def modules(model, pattern: re.Pattern, part: str) -> dict[str, torch.nn.Module]
 def te_path(part: str, path: str) -> str:
     """Text encoder module paths as checkpoints (and LoRA files) name them: `text_model.encoder...`
     (transformers 5 builds CLIPTextModel without the `text_model` level)."""
-    return "text_model." + path if part != "unet" and not path.startswith("text_model.") else path
+    inner = part != "unet" and path.startswith(("encoder.", "embeddings.", "final_layer_norm"))
+    return "text_model." + path if inner else path
 
 
 # ---------------------------------------------------------------------------------------------
