@@ -12,12 +12,16 @@
 //! - [`failure`]: the headers and reasons of a failed record.
 //! - [`json_schema`]: the JSON Schema other languages can validate against.
 //! - `nats` (feature `nats`): connecting, and creating the streams and consumers both sides use.
+//! - `lora` (feature `lora`): LoRA files (formats, checks) and the LoRA library's layout, which
+//!   `shotfleet lora push` and the workers share.
 
 pub mod class;
 pub mod encoding;
 pub mod failure;
 pub mod job;
 pub mod json_schema;
+#[cfg(feature = "lora")]
+pub mod lora;
 #[cfg(feature = "nats")]
 pub mod nats;
 pub mod result;

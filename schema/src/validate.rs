@@ -143,6 +143,13 @@ impl ShotJob {
     }
 }
 
+/// What is wrong with `name` as a file-like id (a LoRA name), `None` when it is fine.
+pub fn file_name_problem(name: &str) -> Option<String> {
+    let mut check = Checker::default();
+    check.id("name", name, MAX_ID_BYTES, IdKind::FileName);
+    check.problems.into_iter().next().map(|p| p.message)
+}
+
 #[derive(Clone, Copy)]
 enum IdKind {
     /// Letters, digits, `_`, `-`: safe in subjects, message ids and object keys.
