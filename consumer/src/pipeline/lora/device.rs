@@ -1,5 +1,8 @@
 //! Merged weights placed where the graphs run, ready to bind.
 
+use std::fmt;
+use std::sync::Mutex;
+
 use ort::memory::{AllocationDevice, Allocator, AllocatorType, MemoryInfo, MemoryType};
 use ort::value::{DynTensor, Tensor, TensorRef};
 use shotfleet_schema::lora::Part;
@@ -45,8 +48,22 @@ pub struct ResidentSet {
     pub(crate) pipeline: u64,
     parts: Vec<(Part, Vec<(String, DynTensor)>)>,
     bytes: u64,
-    /// Declared last: dropped after the tensors they allocated.
-    _allocators: Vec<Allocator>,
+    /// Declared last: dropped after the tensors they allocated. Never used again, only kept
+    /// (a `Mutex` makes the set `Sync`: an allocator handle is only `Send`).
+    _allocators: Mutex<Vec<Allocator>>,
+}
+
+impl fmt::Debug for ResidentSet {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let tensors: usize = self.parts.iter().map(|(_, o)| o.len()).sum();
+        f.debug_struct("ResidentSet").field("bytes", &self.bytes).field("tensors", &tensors).finish_non_exhaustive()
+    }
+}
+
+impl fmt::Debug for MergedSet {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("MergedSet").field("bytes", &self.bytes).field("tensors", &self.overrides.len()).finish()
+    }
 }
 
 impl ResidentSet {
@@ -87,7 +104,7 @@ impl ResidentSet {
             };
             parts.push((part, placed));
         }
-        Ok(ResidentSet { pipeline, parts, bytes: set.bytes(), _allocators: allocators })
+        Ok(ResidentSet { pipeline, parts, bytes: set.bytes(), _allocators: Mutex::new(allocators) })
     }
 }
 
