@@ -75,7 +75,7 @@ fn a_group_sharing_a_set_renders_as_its_jobs_do_alone() {
     group[0].max_batch = 3; // the first request's max_batch bounds the group's sub-batches
     let together = render(&pipeline, &group, Some(&kohya));
     assert_eq!(together[0], render(&pipeline, &[a], Some(&kohya))[0]);
-    assert_eq!(together[1], render(&pipeline, &[b.clone()], Some(&kohya))[0]);
+    assert_eq!(together[1], render(&pipeline, std::slice::from_ref(&b), Some(&kohya))[0]);
     assert_ne!(together[1], render(&pipeline, &[b], None)[0]);
 }
 

@@ -202,7 +202,7 @@ impl Unet {
         if let Some(graphs) = &self.graphs {
             // A captured graph replays the weight addresses of its capture: renders with a LoRA
             // set run uncaptured on a capturing session.
-            let capturable = !(self.graphs_captured && !run.overrides.is_empty());
+            let capturable = !self.graphs_captured || run.overrides.is_empty();
             if device_steps && run.schedule.len() >= MIN_STEPS_TO_CAPTURE && capturable {
                 let key = GraphKey { batch, c, h, w, seq_len: pos.seq_len, dim: pos.dim, pooled: pos.pooled.len() };
                 let mut graphs = graphs.lock().unwrap_or_else(|p| p.into_inner());

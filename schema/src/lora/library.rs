@@ -12,6 +12,10 @@ use sha2::{Digest, Sha256};
 
 use super::{Arch, Format, LoraFile, Part};
 
+/// The library's folder under the image store's url, unless configured otherwise; the leading
+/// `_` keeps it apart from project folders.
+pub const DEFAULT_PREFIX: &str = "_loras";
+
 /// The file's key under the library prefix.
 pub fn file_key(name: &str) -> String {
     format!("{name}.safetensors")

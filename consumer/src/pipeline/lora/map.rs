@@ -201,7 +201,7 @@ fn check_placement(p: &Placement, init: &Initializer) -> Result<(), String> {
             init.shape.len() == 2
                 && init.shape[0] == s[1]
                 && c.run > 0
-                && s[0] % c.run == 0
+                && s[0].is_multiple_of(c.run)
                 && c.stride >= c.run
                 && c.offset + (s[0] / c.run - 1) * c.stride + c.run <= init.shape[1]
         }
