@@ -13,7 +13,7 @@ use anyhow::Context as _;
 use clap::{Args, Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 use shotfleet_producer::wait::{Awaited, Outcome};
-use shotfleet_producer::{lora, replay, status, storyboard, submit, wait};
+use shotfleet_producer::{grouping, lora, replay, status, storyboard, submit, wait};
 use shotfleet_schema::encoding::ContentType;
 use shotfleet_schema::failure::FailureReason;
 use shotfleet_schema::nats::{NatsOptions, Topology};
@@ -158,6 +158,10 @@ struct SubmitArgs {
     /// Unacknowledged publishes at most.
     #[arg(long, default_value_t = 256)]
     max_in_flight: usize,
+    /// Publish in the file's order. By default shots sharing a LoRA set are published together
+    /// inside each priority, so workers switch sets once per character, not once per shot.
+    #[arg(long)]
+    no_group: bool,
 }
 
 #[derive(Args)]
@@ -327,7 +331,7 @@ async fn setup(options: &NatsOptions, args: SetupArgs) -> Result<u8, Failure> {
 }
 
 async fn submit_file(options: &NatsOptions, args: SubmitArgs) -> Result<u8, Failure> {
-    let board = storyboard::read(&args.file, &Limits::default())
+    let mut board = storyboard::read(&args.file, &Limits::default())
         .with_context(|| format!("cannot read {}", args.file.display()))
         .map_err(bad_input)?;
     for error in &board.errors {
@@ -343,6 +347,9 @@ async fn submit_file(options: &NatsOptions, args: SubmitArgs) -> Result<u8, Fail
     }
     if board.shots.is_empty() {
         return Err(bad_input(anyhow::anyhow!("{} holds no shots", args.file.display())));
+    }
+    if !args.no_group {
+        grouping::group_by_lora_set(&mut board.shots);
     }
     let js = connect(options).await?;
     let since = SystemTime::now();
