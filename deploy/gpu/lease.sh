@@ -22,6 +22,8 @@
 #   fleet-speed     optimize-wait, then `deploy/gpu/fleet.sh speed` (binaries from .gpu/bin) -> fleet-speed.json
 #   fleet-budget    optimize-wait, then `deploy/gpu/fleet.sh budget` -> budget.json, budget-check.jsonl, budget-check-ws.jsonl
 #   fleet           fleet-speed, then fleet-budget
+#   lora            optimize-wait, then deploy/gpu/lora.sh: the model prepared for LoRAs (lora_ready.py)
+#                   and measured (.gpu/bin/lora_bench) -> lora.jsonl, lora.txt
 #   report          deploy/gpu/report.py over /root/results -> report.md, report.json, results.tar.gz
 #
 # /root/results keeps every figure and log between the calls of a lease; each stage also copies its
@@ -356,6 +358,7 @@ run_stage() {
         fleet-speed) stage_fleet speed || rc=$? ;;
         fleet-budget) stage_fleet budget || rc=$? ;;
         fleet) { stage_fleet speed && stage_fleet budget; } || rc=$? ;;
+        lora) { stage_optimize_wait && ort_env && ROOT=$ROOT RESULTS=$RESULTS OUT=$OUT SDXL=$SDXL bash deploy/gpu/lora.sh; } || rc=$? ;;
         report) stage_report || rc=$? ;;
         *) echo "unknown stage: $name" >&2; rc=2 ;;
     esac

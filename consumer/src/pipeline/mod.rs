@@ -346,7 +346,7 @@ impl Pipeline {
         if let Some(max_mem) = options.cpu_arena_max_mem {
             session::cap_cpu_arena(&env, max_mem)?;
         }
-        let lora_maps = lora::load_maps(model_dir)?;
+        let lora_maps = lora::WeightMaps::load(model_dir)?;
         let text = TextEncoders::load(&env, &config, options)?;
         let unet = Unet::load(&env, &config, options)?;
         let vae = VaeDecoder::load(&env, &config, options)?;

@@ -26,15 +26,57 @@ pub struct Adapter {
     pub weight: f32,
 }
 
-/// The maps of the parts a LoRA can adapt.
+/// Where every LoRA-targetable weight of a model sits (its parts' `lora_map.json`): what merges
+/// a set, without any ONNX Runtime session.
 #[derive(Debug, Default)]
-pub(crate) struct WeightMaps {
-    pub maps: Vec<WeightMap>,
+pub struct WeightMaps {
+    pub(crate) maps: Vec<WeightMap>,
 }
 
 impl WeightMaps {
-    pub fn get(&self, part: Part) -> Option<&WeightMap> {
+    /// The maps of a model folder's parts; a part without one takes no LoRA.
+    ///
+    /// # Errors
+    /// [`LoadError`](crate::pipeline::LoadError) naming a map that is unreadable or inconsistent
+    /// with its data file.
+    pub fn load(model_dir: &std::path::Path) -> Result<WeightMaps, crate::pipeline::LoadError> {
+        let mut maps = Vec::new();
+        for part in Part::ALL {
+            if let Some(map) = WeightMap::load(&model_dir.join(part.as_str()), part)? {
+                maps.push(map);
+            }
+        }
+        Ok(WeightMaps { maps })
+    }
+
+    pub(crate) fn get(&self, part: Part) -> Option<&WeightMap> {
         self.maps.iter().find(|m| m.part == part)
+    }
+
+    /// Whether the model takes LoRAs at all (its UNet has a map).
+    pub fn takes_loras(&self) -> bool {
+        self.get(Part::Unet).is_some()
+    }
+
+    /// The adaptable modules of `part` with their torch weight shapes.
+    pub fn modules(&self, part: Part) -> Vec<(String, Vec<usize>)> {
+        self.get(part).map_or_else(Vec::new, |m| m.modules.iter().map(|(k, p)| (k.clone(), p.shape.clone())).collect())
+    }
+
+    /// See [`set_bytes`].
+    ///
+    /// # Errors
+    /// As [`set_bytes`].
+    pub fn set_bytes(&self, adapters: &[Adapter]) -> Result<u64, LoraError> {
+        set_bytes(self, adapters)
+    }
+
+    /// `adapters` merged into this model's weights, in host memory.
+    ///
+    /// # Errors
+    /// As [`merge`].
+    pub fn merge(&self, adapters: &[Adapter]) -> Result<super::MergedSet, LoraError> {
+        Ok(super::MergedSet::new(merge(self, adapters)?))
     }
 }
 

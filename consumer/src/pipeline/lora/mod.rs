@@ -30,30 +30,22 @@ use shotfleet_schema::lora::Part;
 pub use device::{MergedSet, ResidentSet};
 pub use error::LoraError;
 pub use merge::Adapter;
-pub(crate) use merge::WeightMaps;
+pub use merge::WeightMaps;
 pub use pool::{Acquired, LoraPool, PoolLimits, PoolStats, SetKey, Source};
 
-use super::error::{LoadError, RenderError};
+use super::error::RenderError;
 use super::{Pipeline, RenderControl, RenderOutput, RenderRequest, StepProgress, Trace};
 use super::control::Shrink;
-use map::WeightMap;
-
-/// The maps of a model folder's parts (none when the model was not prepared for LoRAs; a part
-/// without a map takes no LoRA).
-pub(crate) fn load_maps(model_dir: &std::path::Path) -> Result<WeightMaps, LoadError> {
-    let mut maps = Vec::new();
-    for part in Part::ALL {
-        if let Some(map) = WeightMap::load(&model_dir.join(part.as_str()), part)? {
-            maps.push(map);
-        }
-    }
-    Ok(WeightMaps { maps })
-}
 
 impl Pipeline {
     /// Whether the model was prepared for LoRAs (its UNet has a `lora_map.json`).
     pub fn takes_loras(&self) -> bool {
-        self.lora_maps.get(Part::Unet).is_some()
+        self.lora_maps.takes_loras()
+    }
+
+    /// Where the model's LoRA-targetable weights sit.
+    pub fn lora_maps(&self) -> &WeightMaps {
+        &self.lora_maps
     }
 
     fn require_loras(&self) -> Result<(), LoraError> {
@@ -68,7 +60,7 @@ impl Pipeline {
     /// the first layer that does not fit (the job is invalid).
     pub fn lora_set_bytes(&self, adapters: &[Adapter]) -> Result<u64, LoraError> {
         self.require_loras()?;
-        merge::set_bytes(&self.lora_maps, adapters)
+        self.lora_maps.set_bytes(adapters)
     }
 
     /// Merges `adapters` into the model's weights, in host memory (CPU work, seconds for a
@@ -79,7 +71,7 @@ impl Pipeline {
     /// cannot be read.
     pub fn merge_loras(&self, adapters: &[Adapter]) -> Result<MergedSet, LoraError> {
         self.require_loras()?;
-        Ok(MergedSet::new(merge::merge(&self.lora_maps, adapters)?))
+        self.lora_maps.merge(adapters)
     }
 
     /// Places a merged set on this pipeline's device.
