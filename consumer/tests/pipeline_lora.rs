@@ -7,16 +7,10 @@ use std::ops::ControlFlow;
 use std::path::Path;
 use std::sync::Arc;
 
-use pipeline_support::{cpu_options, load, model_dir, tiny_pipeline};
+use pipeline_support::{cpu_options, load, lora_adapter, model_dir, tiny_pipeline};
 use shotfleet_consumer::pipeline::lora::{Adapter, LoraError, ResidentSet};
 use shotfleet_consumer::pipeline::{Pipeline, PipelineOptions, RenderControl, RenderRequest};
-use shotfleet_schema::lora::{FileLimits, LoraFile};
-
-fn adapter(file: &str, weight: f32) -> Adapter {
-    let path = pipeline_support::fixture().join("lora").join(file);
-    let lora = LoraFile::parse(&std::fs::read(path).unwrap(), &FileLimits::default()).unwrap();
-    Adapter { name: file.into(), file: Arc::new(lora), weight }
-}
+use shotfleet_schema::lora::LoraFile;
 
 fn set(pipeline: &Pipeline, adapters: &[Adapter]) -> ResidentSet {
     pipeline.place_loras(&pipeline.merge_loras(adapters).unwrap()).unwrap()
@@ -49,8 +43,8 @@ fn render(pipeline: &Pipeline, reqs: &[RenderRequest], set: Option<&ResidentSet>
 #[test]
 fn each_render_binds_its_own_set_and_a_base_render_none() {
     let pipeline = tiny_pipeline();
-    let kohya = set(&pipeline, &[adapter("kohya_sgm.safetensors", 1.0)]);
-    let peft = set(&pipeline, &[adapter("peft.safetensors", 0.7)]);
+    let kohya = set(&pipeline, &[lora_adapter("kohya_sgm.safetensors", 1.0)]);
+    let peft = set(&pipeline, &[lora_adapter("peft.safetensors", 0.7)]);
     let job = [request("a lighthouse keeper", 7, 1)];
     let base = render(&pipeline, &job, None);
     let with_kohya = render(&pipeline, &job, Some(&kohya));
@@ -69,7 +63,7 @@ fn each_render_binds_its_own_set_and_a_base_render_none() {
 #[test]
 fn a_group_sharing_a_set_renders_as_its_jobs_do_alone() {
     let pipeline = tiny_pipeline();
-    let kohya = set(&pipeline, &[adapter("kohya_sgm.safetensors", 0.8)]);
+    let kohya = set(&pipeline, &[lora_adapter("kohya_sgm.safetensors", 0.8)]);
     let (a, b) = (request("a red fox in snow", 11, 2), request("an old map", 12, 1));
     let mut group = [a.clone(), b.clone()];
     group[0].max_batch = 3; // the first request's max_batch bounds the group's sub-batches
@@ -84,7 +78,7 @@ fn fixed_unet_buffers_bind_the_set_too() {
     let plain = tiny_pipeline();
     let fixed = load_with(&model_dir(), PipelineOptions { fixed_unet_buffers: true, ..cpu_options() });
     let job = [request("a paper boat", 5, 1)];
-    let (plain_set, fixed_set) = (set(&plain, &[adapter("peft.safetensors", 1.0)]), set(&fixed, &[adapter("peft.safetensors", 1.0)]));
+    let (plain_set, fixed_set) = (set(&plain, &[lora_adapter("peft.safetensors", 1.0)]), set(&fixed, &[lora_adapter("peft.safetensors", 1.0)]));
     let styled = render(&plain, &job, Some(&plain_set));
     let base = render(&plain, &job, None);
     assert_eq!(render(&fixed, &job, Some(&fixed_set)), styled);
@@ -95,8 +89,8 @@ fn fixed_unet_buffers_bind_the_set_too() {
 #[test]
 fn two_jobs_with_different_sets_in_flight_on_one_pipeline() {
     let pipeline = Arc::new(tiny_pipeline());
-    let kohya = Arc::new(set(&pipeline, &[adapter("kohya_sgm.safetensors", 1.0)]));
-    let stack = Arc::new(set(&pipeline, &[adapter("kohya_sgm.safetensors", 0.8), adapter("peft.safetensors", 0.5)]));
+    let kohya = Arc::new(set(&pipeline, &[lora_adapter("kohya_sgm.safetensors", 1.0)]));
+    let stack = Arc::new(set(&pipeline, &[lora_adapter("kohya_sgm.safetensors", 0.8), lora_adapter("peft.safetensors", 0.5)]));
     let job = vec![request("a cat on a roof", 3, 1)];
     let alone_kohya = render(&pipeline, &job, Some(&kohya));
     let alone_stack = render(&pipeline, &job, Some(&stack));
@@ -117,7 +111,7 @@ fn two_jobs_with_different_sets_in_flight_on_one_pipeline() {
 #[test]
 fn loras_that_do_not_fit_the_model_are_refused_naming_the_layer() {
     let pipeline = tiny_pipeline();
-    let mut file = (*adapter("kohya_sgm.safetensors", 1.0).file).clone();
+    let mut file = (*lora_adapter("kohya_sgm.safetensors", 1.0).file).clone();
     // A layer SDXL has and the tiny model does not (it has two down blocks).
     let mut deeper = file.targets[0].clone();
     deeper.module = "down_blocks.2.attentions.0.proj_in".into();
@@ -144,7 +138,7 @@ fn a_model_without_maps_takes_no_loras() {
     }
     let pipeline = load(dir.path());
     assert!(!pipeline.takes_loras());
-    let err = pipeline.merge_loras(&[adapter("peft.safetensors", 1.0)]).unwrap_err();
+    let err = pipeline.merge_loras(&[lora_adapter("peft.safetensors", 1.0)]).unwrap_err();
     assert!(matches!(err, LoraError::NotPrepared { .. }) && err.to_string().contains("onnx/lora_ready.py"), "{err}");
     assert!(!err.is_invalid_job(), "the worker's model is at fault, not the job");
 }
@@ -152,7 +146,7 @@ fn a_model_without_maps_takes_no_loras() {
 #[test]
 fn a_set_placed_for_another_pipeline_is_refused() {
     let (one, other) = (tiny_pipeline(), tiny_pipeline());
-    let foreign = set(&one, &[adapter("peft.safetensors", 1.0)]);
+    let foreign = set(&one, &[lora_adapter("peft.safetensors", 1.0)]);
     let err = other
         .render_with_loras(&[request("x", 1, 1)], Some(&foreign), &RenderControl::default(), &mut |_| ControlFlow::Continue(()))
         .unwrap_err();

@@ -5,14 +5,13 @@
 mod pipeline_support;
 
 use std::ops::ControlFlow;
-use std::path::PathBuf;
 use std::sync::Arc;
 
-use pipeline_support::{fixture, max_abs_diff, npy_f32, npy_u8, reference_dir, tiny_pipeline};
+use pipeline_support::{lora_adapter, lora_dir, max_abs_diff, npy_f32, npy_u8, reference_case, reference_dir, tiny_pipeline, ReferenceCase};
 use serde::Deserialize;
 use shotfleet_consumer::pipeline::lora::{Adapter, ResidentSet};
-use shotfleet_consumer::pipeline::{Pipeline, RenderRequest, Trace};
-use shotfleet_schema::lora::{FileLimits, LoraFile};
+use shotfleet_consumer::pipeline::{Pipeline, Trace};
+use shotfleet_schema::lora::LoraFile;
 
 const LATENT_TOL: f32 = 1e-4;
 const PIXEL_TOL: u8 = 1;
@@ -30,58 +29,16 @@ struct LoraUse {
     weight: f32,
 }
 
-#[derive(Debug, Deserialize)]
-struct BaseCase {
-    name: String,
-    prompt: String,
-    negative_prompt: String,
-    width: u32,
-    height: u32,
-    steps: u32,
-    guidance: f32,
-    images: usize,
-}
-
-fn lora_dir() -> PathBuf {
-    fixture().join("lora")
-}
-
 fn lora_case(name: &str) -> LoraCase {
     let text = std::fs::read_to_string(lora_dir().join("reference/cases.json")).expect("lora cases.json");
     let cases: Vec<LoraCase> = serde_json::from_str(&text).expect("lora cases.json parses");
     cases.into_iter().find(|c| c.name == name).unwrap_or_else(|| panic!("no LoRA case {name}"))
 }
 
-fn base_case(name: &str) -> BaseCase {
-    let text = std::fs::read_to_string(reference_dir().join("cases.json")).expect("cases.json");
-    let cases: Vec<BaseCase> = serde_json::from_str(&text).expect("cases.json parses");
-    cases.into_iter().find(|c| c.name == name).unwrap_or_else(|| panic!("no case {name}"))
-}
-
-pub fn adapter(file: &str, weight: f32) -> Adapter {
-    let bytes = std::fs::read(lora_dir().join(file)).expect("fixture LoRA");
-    let lora = LoraFile::parse(&bytes, &FileLimits::default()).unwrap_or_else(|e| panic!("{file}: {e}"));
-    Adapter { name: file.into(), file: Arc::new(lora), weight }
-}
-
-fn request(base: &BaseCase) -> RenderRequest {
-    RenderRequest {
-        prompt: base.prompt.clone(),
-        negative_prompt: Some(base.negative_prompt.clone()),
-        width: base.width,
-        height: base.height,
-        steps: base.steps,
-        guidance: base.guidance,
-        seed: 0,
-        image_indices: (0..base.images as u32).collect(),
-        max_batch: base.images,
-    }
-}
-
-fn render(pipeline: &Pipeline, base: &BaseCase, set: Option<&ResidentSet>) -> Trace {
+fn render(pipeline: &Pipeline, base: &ReferenceCase, set: Option<&ResidentSet>) -> Trace {
     let noise = npy_f32(&reference_dir().join(&base.name).join("latents_init.npy"));
     let (_, trace) = pipeline
-        .render_traced_with_loras(&request(base), Some(noise.as_slice().unwrap()), set, &mut |_| ControlFlow::Continue(()))
+        .render_traced_with_loras(&base.request(), Some(noise.as_slice().unwrap()), set, &mut |_| ControlFlow::Continue(()))
         .expect("render");
     trace
 }
@@ -89,8 +46,8 @@ fn render(pipeline: &Pipeline, base: &BaseCase, set: Option<&ResidentSet>) -> Tr
 /// Renders the case and compares it with diffusers' render; returns the largest pixel difference.
 fn parity(pipeline: &Pipeline, name: &str) -> u8 {
     let case = lora_case(name);
-    let base = base_case(&case.base);
-    let adapters: Vec<Adapter> = case.loras.iter().map(|l| adapter(&l.file, l.weight)).collect();
+    let base = reference_case(&case.base);
+    let adapters: Vec<Adapter> = case.loras.iter().map(|l| lora_adapter(&l.file, l.weight)).collect();
     let merged = pipeline.merge_loras(&adapters).expect("merge");
     assert_eq!(merged.bytes(), pipeline.lora_set_bytes(&adapters).unwrap(), "set bytes computed without merging");
     let set = pipeline.place_loras(&merged).expect("place");
@@ -136,11 +93,11 @@ fn stack_of_two_loras_matches_diffusers() {
 #[test]
 fn lora_at_weight_zero_renders_the_base_image_exactly() {
     let pipeline = tiny_pipeline();
-    let adapters = [adapter("kohya_sgm.safetensors", 0.0)];
+    let adapters = [lora_adapter("kohya_sgm.safetensors", 0.0)];
     let merged = pipeline.merge_loras(&adapters).unwrap();
     assert!(merged.is_empty(), "a weight-0 LoRA changes no weight");
     let set = pipeline.place_loras(&merged).unwrap();
-    let base = base_case("cat_64");
+    let base = reference_case("cat_64");
     let with_zero = render(&pipeline, &base, Some(&set));
     let without = render(&pipeline, &base, None);
     assert_eq!(with_zero.images_rgb, without.images_rgb);
@@ -153,8 +110,8 @@ fn kohya_names_with_diffusers_blocks_merge_as_sgm_names_do() {
     // The diffusers-named fixture holds a sample of the SGM-named file's tensors: merged alone,
     // each gives the same weights as the same modules taken from the SGM-named file.
     let pipeline = tiny_pipeline();
-    let named = adapter("kohya_diffusers_names.safetensors", 1.0);
-    let sgm = adapter("kohya_sgm.safetensors", 1.0);
+    let named = lora_adapter("kohya_diffusers_names.safetensors", 1.0);
+    let sgm = lora_adapter("kohya_sgm.safetensors", 1.0);
     let modules: Vec<(_, String)> = named.file.targets.iter().map(|t| (t.part, t.module.clone())).collect();
     let sample = LoraFile {
         format: sgm.file.format,
@@ -164,7 +121,7 @@ fn kohya_names_with_diffusers_blocks_merge_as_sgm_names_do() {
     let a = pipeline.merge_loras(&[named]).unwrap();
     let b = pipeline.merge_loras(&[sgm_sample]).unwrap();
     assert_eq!((a.len(), a.bytes()), (b.len(), b.bytes()));
-    let base = base_case("cat_64");
+    let base = reference_case("cat_64");
     let ra = render(&pipeline, &base, Some(&pipeline.place_loras(&a).unwrap()));
     let rb = render(&pipeline, &base, Some(&pipeline.place_loras(&b).unwrap()));
     assert_eq!(ra.images_rgb, rb.images_rgb);

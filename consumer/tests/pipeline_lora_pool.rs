@@ -7,23 +7,16 @@ use std::cell::Cell;
 use std::sync::Arc;
 use std::time::Duration;
 
-use pipeline_support::tiny_pipeline;
+use pipeline_support::{lora_adapter, tiny_pipeline};
 use shotfleet_consumer::pipeline::Pipeline;
 use shotfleet_consumer::pipeline::lora::{Adapter, LoraError, LoraPool, PoolLimits, SetKey, Source};
-use shotfleet_schema::lora::{FileLimits, LoraFile};
-
-fn adapter(file: &str, weight: f32) -> Adapter {
-    let path = pipeline_support::fixture().join("lora").join(file);
-    let lora = LoraFile::parse(&std::fs::read(path).unwrap(), &FileLimits::default()).unwrap();
-    Adapter { name: file.into(), file: Arc::new(lora), weight }
-}
 
 /// The sets used here: (key, adapters).
 fn kohya() -> (SetKey, Vec<Adapter>) {
-    (SetKey::new([("kohya", 1.0)]), vec![adapter("kohya_sgm.safetensors", 1.0)])
+    (SetKey::new([("kohya", 1.0)]), vec![lora_adapter("kohya_sgm.safetensors", 1.0)])
 }
 fn peft() -> (SetKey, Vec<Adapter>) {
-    (SetKey::new([("peft", 0.7)]), vec![adapter("peft.safetensors", 0.7)])
+    (SetKey::new([("peft", 0.7)]), vec![lora_adapter("peft.safetensors", 0.7)])
 }
 
 /// Acquires `set`, counting calls of the loader in `loads`.
@@ -146,7 +139,7 @@ fn after_a_reload_sets_are_placed_again_from_host_memory() {
 fn a_lora_that_does_not_fit_fails_the_acquire_and_leaves_the_pool_as_it_was() {
     let pipeline = tiny_pipeline();
     let pool = LoraPool::new(PoolLimits { device_bytes: u64::MAX, host_bytes: u64::MAX });
-    let mut file = (*adapter("peft.safetensors", 1.0).file).clone();
+    let mut file = (*lora_adapter("peft.safetensors", 1.0).file).clone();
     file.targets[0].module = "down_blocks.3.resnets.0.conv1".into();
     let bad = Adapter { name: "other-model.v1".into(), file: Arc::new(file), weight: 1.0 };
     let key = SetKey::new([("other-model.v1", 1.0)]);

@@ -36,7 +36,7 @@ pub enum LibraryError {
 
     /// A storage call failed; `retryable` says whether running the command again may work.
     #[error("{op} {key} at {location} failed ({}): {source}", if *retryable { "retryable: the store did not answer as it should, run the command again" } else { "permanent: check the bucket, credentials and permissions" })]
-    Store { op: &'static str, key: String, location: String, retryable: bool, source: object_store::Error },
+    Store { op: &'static str, key: String, location: String, retryable: bool, source: Box<object_store::Error> },
 }
 
 impl LibraryError {
@@ -124,7 +124,7 @@ impl Library {
 
     fn failed(&self, op: &'static str, key: &ObjectPath) -> impl FnOnce(object_store::Error) -> LibraryError + '_ {
         let key = key.to_string();
-        move |source| LibraryError::Store { op, key, location: self.location.clone(), retryable: retryable(&source), source }
+        move |source| LibraryError::Store { op, key, location: self.location.clone(), retryable: retryable(&source), source: Box::new(source) }
     }
 
     /// Checks `bytes` as a LoRA file (safetensors only, within `limits`, an SDXL LoRA) and uploads

@@ -81,7 +81,7 @@ pub enum LibraryError {
     File { name: String, source: LoraFileError },
 
     #[error("LoRA `{name}`: the library at {location} failed ({}): {source}", kind_word(source))]
-    Store { name: String, location: String, source: StoreError },
+    Store { name: String, location: String, source: Box<StoreError> },
 
     #[error("LoRA cache {path}: {source}")]
     Cache { path: PathBuf, source: std::io::Error },
@@ -142,7 +142,7 @@ impl LoraLibrary {
     {
         let url = format!("{}/{}", store.url.trim_end_matches('/'), config.prefix.trim_matches('/'));
         let store_config = StoreConfig { url: url.clone(), ..store.clone() };
-        let store = Store::open(&store_config, env).map_err(|source| LibraryError::Store { name: String::new(), location: url, source })?;
+        let store = Store::open(&store_config, env).map_err(|source| LibraryError::Store { name: String::new(), location: url, source: Box::new(source) })?;
         let cache = DiskCache::open(&config.cache_dir, config.cache_max_mib << 20)
             .map_err(|source| LibraryError::Cache { path: config.cache_dir.clone(), source })?;
         Ok(LoraLibrary { store, cache, limits: FileLimits { max_bytes: config.max_file_mib << 20 } })
@@ -210,7 +210,7 @@ impl LoraLibrary {
             Err(e) if e.kind() == StoreErrorKind::NotFound => {
                 Err(LibraryError::Unknown { name: name.into(), location: self.store.location().into() })
             }
-            Err(source) => Err(LibraryError::Store { name: name.into(), location: self.store.location().into(), source }),
+            Err(source) => Err(LibraryError::Store { name: name.into(), location: self.store.location().into(), source: Box::new(source) }),
         }
     }
 
