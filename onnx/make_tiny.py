@@ -5,8 +5,10 @@
 1. Builds UNet2DConditionModel (text_time), CLIPTextModel, CLIPTextModelWithProjection and AutoencoderKL
    from the tiny configs in sdxl_onnx.py with fixed seeds, plus SDXL's EulerDiscreteScheduler config and
    the real CLIP BPE vocabulary (from open-clip-torch).
-2. Exports them to onnx/tiny/model/ in Optimum's SDXL layout (fp32, opset 17) and checks every part
-   against torch with onnxruntime's CPU provider (onnx/tiny/model_check.json).
+2. Exports them to onnx/tiny/model/ in Optimum's SDXL layout (fp32, opset 17), makes the UNet's and
+   text encoders' Linear/Conv weights overridable for LoRAs (lora_ready.py: <part>/lora_map.json,
+   weights in <part>/model.onnx_data), and checks every part against torch with onnxruntime's CPU
+   provider (onnx/tiny/model_check.json).
 3. Runs diffusers' StableDiffusionXLPipeline (CPU, fp32) on the same weights for a few cases and saves
    the intermediate tensors and images under onnx/tiny/reference/, plus tokenizer ids for tricky prompts.
 
@@ -68,10 +70,14 @@ def build(seed: int = MODEL_SEED):
 
 
 def export_fixture(models, model_dir: Path) -> None:
+    import lora_ready
+
     model_dir.mkdir(parents=True, exist_ok=True)
     sx.export_all(models, model_dir)
     sx.write_configs(model_dir, models, sx.SDXL_SCHEDULER)
     sx.write_tokenizers(model_dir)
+    # LoRA-targetable weights become overridable graph inputs, mapped in <part>/lora_map.json.
+    lora_ready.prepare(model_dir, models)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -534,9 +534,13 @@ def describe_onnx(path: Path) -> list[str]:
     import onnx
 
     m = onnx.load(str(path), load_external_data=False)
+    # Inputs that are also initializers (LoRA overrides, lora_ready.py) are weights, not I/O.
+    weights = {t.name for t in m.graph.initializer}
     lines = []
     for kind, values in (("in", m.graph.input), ("out", m.graph.output)):
         for v in values:
+            if v.name in weights:
+                continue
             t = v.type.tensor_type
             dims = [d.dim_param or str(d.dim_value) for d in t.shape.dim]
             lines.append(f"{kind:3} {v.name:24} {onnx.TensorProto.DataType.Name(t.elem_type).lower():8} [{', '.join(dims)}]")

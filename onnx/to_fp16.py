@@ -16,7 +16,9 @@ input/output handling. (Putting every op in convert_float_to_float16's op_block_
 give float16 edges, but it wraps every node in a Cast pair, rounding each intermediate tensor to
 float16; edge-only casts keep the float32 numerics.)
 
-Everything that is not a model.onnx (configs, tokenizers, scheduler, model_index.json) is copied.
+Everything that is not a model.onnx (configs, tokenizers, scheduler, model_index.json) is copied,
+except LoRA maps (`lora_map.json`): their offsets and dtypes are the source's, so a converted
+folder takes LoRAs only after `lora_ready.py` has run on it.
 Models whose weights exceed ~2 GB are written with one external data file, model.onnx_data.
 """
 
@@ -46,9 +48,11 @@ def fp16_edges(model: onnx.ModelProto) -> onnx.ModelProto:
         taken.add(name)
         return name
 
+    weights = {t.name for t in g.initializer}
     head, tail = [], []
     for inp in g.input:
-        if inp.type.tensor_type.elem_type != TensorProto.FLOAT:
+        # An input that is also an initializer is an overridable weight (lora_ready.py), not an edge.
+        if inp.type.tensor_type.elem_type != TensorProto.FLOAT or inp.name in weights:
             continue
         inner = fresh(inp.name + "_fp32")
         for node in g.node:
@@ -107,7 +111,8 @@ def convert_folder(src: Path, dst: Path, cpu_compatible: bool) -> None:
         if item.is_dir():
             (dst / rel).mkdir(parents=True, exist_ok=True)
             continue
-        if item.name.endswith(".onnx_data") or item.name.endswith(".onnx"):
+        # A LoRA map names offsets in the source's data file: rerun lora_ready.py on the result.
+        if item.name.endswith(".onnx_data") or item.name.endswith(".onnx") or item.name == "lora_map.json":
             continue
         shutil.copy2(item, dst / rel)
     for part in PARTS:

@@ -6,6 +6,7 @@
 //! - [`pipeline`]: SDXL on ONNX Runtime; knows nothing of NATS or storage.
 //! - [`budget`]: GPU memory: what fits now, calibrated and learned; knows nothing of NATS.
 //! - [`store`]: object storage with content-addressed keys.
+//! - [`library`]: the LoRA library: LoRA files by name from object storage, cached on disk.
 //! - [`telemetry`]: Prometheus metrics, `/healthz` and `/readyz`.
 //! - [`faults`]: explicit fault injection for tests.
 
@@ -13,6 +14,7 @@ pub mod budget;
 pub mod config;
 pub mod failure;
 pub mod faults;
+pub mod library;
 pub mod pipeline;
 pub mod store;
 pub mod telemetry;

@@ -102,7 +102,11 @@ fn text_encoder_without_pooled_output_is_named() {
 fn conditioning_width_mismatch_is_named() {
     // Two copies of the second encoder: their concatenated width is not what the UNet takes.
     let (_tmp, dir) = copy_fixture();
-    fs::copy(dir.join("text_encoder_2/model.onnx"), dir.join("text_encoder/model.onnx")).unwrap();
+    for file in ["model.onnx", "model.onnx_data"] {
+        fs::copy(dir.join("text_encoder_2").join(file), dir.join("text_encoder").join(file)).unwrap();
+    }
+    // The copy's LoRA map would name the other part: a model without one takes no LoRA there.
+    fs::remove_file(dir.join("text_encoder/lora_map.json")).unwrap();
     refused(&dir, "unet/model.onnx", "expects encoder_hidden_states");
 }
 

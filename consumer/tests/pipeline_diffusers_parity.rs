@@ -14,32 +14,12 @@ mod pipeline_support;
 use std::ops::ControlFlow;
 use std::path::Path;
 
-use pipeline_support::{max_abs_diff, npy_f32, npy_u8, reference_dir, tiny_pipeline};
-use serde::Deserialize;
-use shotfleet_consumer::pipeline::{Pipeline, PromptEmbeds, RenderRequest};
+use pipeline_support::{max_abs_diff, npy_f32, npy_u8, reference_case, reference_dir, tiny_pipeline};
+use shotfleet_consumer::pipeline::{Pipeline, PromptEmbeds};
 
 const EMBED_TOL: f32 = 1e-5;
 const LATENT_TOL: f32 = 1e-4;
 const PIXEL_TOL: u8 = 1;
-
-#[derive(Debug, Deserialize)]
-struct Case {
-    name: String,
-    prompt: String,
-    negative_prompt: String,
-    width: u32,
-    height: u32,
-    steps: u32,
-    guidance: f32,
-    images: usize,
-    init_noise_sigma: f32,
-}
-
-fn case(name: &str) -> Case {
-    let text = std::fs::read_to_string(reference_dir().join("cases.json")).expect("cases.json");
-    let cases: Vec<Case> = serde_json::from_str(&text).expect("cases.json parses");
-    cases.into_iter().find(|c| c.name == name).unwrap_or_else(|| panic!("no case {name}"))
-}
 
 /// `[n, seq, dim]` reference embeddings: every image row must equal ours.
 fn compare_embeds(ours: &PromptEmbeds, dir: &Path, embeds: &str, pooled: &str, n: usize) -> f32 {
@@ -55,20 +35,10 @@ fn compare_embeds(ours: &PromptEmbeds, dir: &Path, embeds: &str, pooled: &str, n
 }
 
 fn parity(pipeline: &Pipeline, name: &str) {
-    let case = case(name);
+    let case = reference_case(name);
     let dir = reference_dir().join(name);
     let noise = npy_f32(&dir.join("latents_init.npy"));
-    let request = RenderRequest {
-        prompt: case.prompt.clone(),
-        negative_prompt: Some(case.negative_prompt.clone()),
-        width: case.width,
-        height: case.height,
-        steps: case.steps,
-        guidance: case.guidance,
-        seed: 0,
-        image_indices: (0..case.images as u32).collect(),
-        max_batch: case.images,
-    };
+    let request = case.request();
     let (output, trace) = pipeline
         .render_traced(&request, Some(noise.as_slice().unwrap()), &mut |_| ControlFlow::Continue(()))
         .expect("render");

@@ -24,6 +24,8 @@
 #   fleet-small     optimize-wait, then `deploy/gpu/fleet.sh small` (issue 19: shares of the card, two
 #                   workers on one card, the 1,000-job run; FLEET_RUNS picks) -> small.json
 #   fleet           fleet-speed, then fleet-budget
+#   lora            optimize-wait, then deploy/gpu/lora.sh: the model prepared for LoRAs (lora_ready.py)
+#                   and measured (.gpu/bin/lora_bench) -> lora.jsonl, lora.txt
 #   report          deploy/gpu/report.py over /root/results -> report.md, report.json, results.tar.gz
 #
 # /root/results keeps every figure and log between the calls of a lease; each stage also copies its
@@ -359,6 +361,7 @@ run_stage() {
         fleet-budget) stage_fleet budget || rc=$? ;;
         fleet-small) stage_fleet small || rc=$? ;;
         fleet) { stage_fleet speed && stage_fleet budget; } || rc=$? ;;
+        lora) { stage_optimize_wait && ort_env && ROOT=$ROOT RESULTS=$RESULTS OUT=$OUT SDXL=$SDXL bash deploy/gpu/lora.sh; } || rc=$? ;;
         report) stage_report || rc=$? ;;
         *) echo "unknown stage: $name" >&2; rc=2 ;;
     esac

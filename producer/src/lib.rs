@@ -2,13 +2,17 @@
 //!
 //! - [`storyboard`]: reading a storyboard file (JSON Lines or CSV) into validated jobs.
 //! - [`submit`]: publishing jobs with their `Nats-Msg-Id`, PubAcks pipelined and bounded.
+//! - [`grouping`]: storyboard order for LoRA sets (one switch per character, not per shot).
 //! - [`wait`]: following results and failed records until every submitted job has one.
 //! - [`status`]: what is pending, in progress and failed, per priority and class.
 //! - [`replay`]: failed records back to their original subjects, deleted only after the PubAck.
+//! - [`lora`]: the LoRA library: checked uploads (`shotfleet lora push`) and listing.
 //!
 //! The wire contract and the topology come from `shotfleet-schema`; this crate knows nothing of
 //! the workers.
 
+pub mod grouping;
+pub mod lora;
 pub mod replay;
 pub mod status;
 pub mod storyboard;

@@ -14,7 +14,7 @@ use anyhow::Context as _;
 use clap::{Args, Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 use shotfleet_producer::wait::{Awaited, Outcome};
-use shotfleet_producer::{replay, status, storyboard, submit, wait};
+use shotfleet_producer::{grouping, lora, replay, status, storyboard, submit, wait};
 use shotfleet_schema::encoding::ContentType;
 use shotfleet_schema::failure::FailureReason;
 use shotfleet_schema::nats::{NatsArgs, NatsOptions, Topology};
@@ -40,6 +40,45 @@ enum Command {
     /// Republish failed jobs from SHOTS_FAILED to their original subjects (--dry-run lists them).
     #[command(after_long_help = REPLAY_HELP)]
     Replay(ReplayArgs),
+    /// The LoRA library the workers read: check and upload a LoRA file, list what is there.
+    #[command(subcommand)]
+    Lora(LoraCommand),
+}
+
+#[derive(Subcommand)]
+enum LoraCommand {
+    /// Check a LoRA file (safetensors, made for SDXL, within the size cap) and upload it as NAME.
+    Push(LoraPushArgs),
+    /// The library's LoRAs: name, format, rank, layers, size, sha256, age.
+    List(LibraryArgs),
+}
+
+#[derive(Args)]
+struct LibraryArgs {
+    /// The image store the workers use: file:///folder or s3://bucket/prefix (S3 endpoint,
+    /// region and credentials from AWS_*; AWS_ALLOW_HTTP=true for a plain-HTTP endpoint).
+    #[arg(long, env = "SHOTFLEET_STORE")]
+    store: String,
+    /// The library's folder under the store (the workers' `[lora] prefix`).
+    #[arg(long, env = "SHOTFLEET_LORA_PREFIX", default_value = shotfleet_schema::lora::library::DEFAULT_PREFIX)]
+    prefix: String,
+}
+
+#[derive(Args)]
+struct LoraPushArgs {
+    /// The LoRA file (.safetensors; kohya/A1111/ComfyUI or diffusers/PEFT keys).
+    file: PathBuf,
+    /// The name jobs give in `loras[].name`: letters, digits, `_`, `-`, `.`.
+    #[arg(long)]
+    name: String,
+    /// Replace a different LoRA already pushed under NAME (jobs naming it change look).
+    #[arg(long)]
+    replace: bool,
+    /// Refuse larger files, MiB (the workers' `[lora] max_file_mib`).
+    #[arg(long, default_value_t = shotfleet_schema::lora::DEFAULT_MAX_BYTES >> 20)]
+    max_mib: u64,
+    #[command(flatten)]
+    library: LibraryArgs,
 }
 
 const REPLAY_HELP: &str = "\
@@ -129,6 +168,10 @@ struct SubmitArgs {
     /// Unacknowledged publishes at most.
     #[arg(long, default_value_t = 256)]
     max_in_flight: usize,
+    /// Publish in the file's order. By default shots sharing a LoRA set are published together
+    /// inside each priority, so workers switch sets once per character, not once per shot.
+    #[arg(long)]
+    no_group: bool,
 }
 
 #[derive(Args)]
@@ -191,6 +234,71 @@ async fn run(cli: Cli) -> Result<u8, Failure> {
         Command::Submit(args) => submit_file(&options, args).await,
         Command::Status => show_status(&options).await,
         Command::Replay(args) => replay_failed(&options, args).await,
+        Command::Lora(command) => lora_command(command).await,
+    }
+}
+
+async fn lora_command(command: LoraCommand) -> Result<u8, Failure> {
+    let failure = |e: lora::LibraryError| if e.is_bad_input() { bad_input(e) } else { server(e) };
+    match command {
+        LoraCommand::Push(args) => {
+            let library = lora::Library::open(&args.library.store, &args.library.prefix, std::env::vars()).map_err(failure)?;
+            let limits = shotfleet_schema::lora::FileLimits { max_bytes: args.max_mib << 20 };
+            let path = args.file.display().to_string();
+            let size = std::fs::metadata(&args.file).with_context(|| format!("cannot read {path}")).map_err(bad_input)?.len();
+            if size > limits.max_bytes {
+                let source = shotfleet_schema::lora::LoraFileError::TooLarge { bytes: size, limit: limits.max_bytes };
+                return Err(failure(lora::LibraryError::Refused { path, source }));
+            }
+            let bytes = std::fs::read(&args.file).with_context(|| format!("cannot read {path}")).map_err(bad_input)?;
+            let now = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+            let pushed = library.push(&args.name, &path, &bytes, &limits, args.replace, now).await.map_err(failure)?;
+            let (verb, entry) = match &pushed {
+                lora::Pushed::Uploaded { entry, replaced: false } => ("pushed", entry),
+                lora::Pushed::Uploaded { entry, replaced: true } => ("replaced", entry),
+                lora::Pushed::Unchanged { entry } => ("unchanged (already there)", entry),
+            };
+            let parts: Vec<String> = entry.parts.iter().map(|(part, n)| format!("{part} {n}")).collect();
+            println!(
+                "{verb} {}: {}, rank {}, {} layers ({}), {:.2} MiB, sha256 {} -> {}",
+                entry.name,
+                entry.format,
+                entry.rank,
+                entry.targets,
+                parts.join(", "),
+                entry.bytes as f64 / (1 << 20) as f64,
+                &entry.sha256[..12],
+                library.location()
+            );
+            Ok(0)
+        }
+        LoraCommand::List(args) => {
+            let library = lora::Library::open(&args.store, &args.prefix, std::env::vars()).map_err(failure)?;
+            let listed = library.list().await.map_err(failure)?;
+            println!("{:<32} {:<6} {:>5} {:>7} {:>9} {:<12} {:>6}", "name", "format", "rank", "layers", "MiB", "sha256", "age");
+            let now = SystemTime::now();
+            for item in &listed {
+                match item {
+                    lora::Listed::Entry(e) => {
+                        let pushed = SystemTime::UNIX_EPOCH + Duration::from_secs(e.pushed_unix);
+                        let age = now.duration_since(pushed).unwrap_or_default();
+                        println!(
+                            "{:<32} {:<6} {:>5} {:>7} {:>9.2} {:<12} {:>6}",
+                            e.name,
+                            e.format.to_string(),
+                            e.rank,
+                            e.targets,
+                            e.bytes as f64 / (1 << 20) as f64,
+                            &e.sha256[..12],
+                            replay::format_age(age)
+                        );
+                    }
+                    lora::Listed::Unreadable { key, detail } => eprintln!("{key}: unreadable sidecar ({detail}); push that LoRA again"),
+                }
+            }
+            println!("{} LoRA(s) in {}", listed.iter().filter(|l| matches!(l, lora::Listed::Entry(_))).count(), library.location());
+            Ok(0)
+        }
     }
 }
 
@@ -219,7 +327,7 @@ async fn setup(options: &NatsOptions, args: SetupArgs) -> Result<u8, Failure> {
 }
 
 async fn submit_file(options: &NatsOptions, args: SubmitArgs) -> Result<u8, Failure> {
-    let board = storyboard::read(&args.file, &Limits::default())
+    let mut board = storyboard::read(&args.file, &Limits::default())
         .with_context(|| format!("cannot read {}", args.file.display()))
         .map_err(bad_input)?;
     for error in &board.errors {
@@ -235,6 +343,9 @@ async fn submit_file(options: &NatsOptions, args: SubmitArgs) -> Result<u8, Fail
     }
     if board.shots.is_empty() {
         return Err(bad_input(anyhow::anyhow!("{} holds no shots", args.file.display())));
+    }
+    if !args.no_group {
+        grouping::group_by_lora_set(&mut board.shots);
     }
     let js = connect(options).await?;
     let since = SystemTime::now();

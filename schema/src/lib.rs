@@ -13,6 +13,8 @@
 //! - [`names`]: wire enums' names, lists and parse messages.
 //! - [`json_schema`]: the JSON Schema other languages can validate against.
 //! - `nats` (feature `nats`): connecting, and creating the streams and consumers both sides use.
+//! - `lora` (feature `lora`): LoRA files (formats, checks) and the LoRA library's layout, which
+//!   `shotfleet lora push` and the workers share.
 
 pub mod class;
 pub mod encoding;
@@ -20,6 +22,8 @@ pub mod failure;
 pub mod job;
 pub mod json_schema;
 pub mod names;
+#[cfg(feature = "lora")]
+pub mod lora;
 #[cfg(feature = "nats")]
 pub mod nats;
 pub mod result;

@@ -173,6 +173,11 @@ pub fn id_problem(value: &str, max_bytes: usize) -> Option<String> {
     IdKind::Plain.problem(value, max_bytes)
 }
 
+/// What is wrong with `name` as a file-like id (a LoRA name), `None` when it is fine.
+pub fn file_name_problem(name: &str) -> Option<String> {
+    IdKind::FileName.problem(name, MAX_ID_BYTES)
+}
+
 #[derive(Clone, Copy)]
 enum IdKind {
     /// Letters, digits, `_`, `-`: safe in subjects, message ids and object keys.

@@ -13,7 +13,8 @@
 //! - `vae`: latents to pixels;
 //! - [`image`]: pixels to uint8 as diffusers, PNG with parameters;
 //! - `model` and `session`: the folder's files and configs, ONNX Runtime sessions;
-//! - `control`: [`CancelHandle`], stopping a render from another thread.
+//! - `control`: [`CancelHandle`], stopping a render from another thread;
+//! - [`lora`]: LoRA sets merged into overridable weights, their pool, and renders with them.
 //!
 //! # Out of memory and recovery
 //!
@@ -32,6 +33,7 @@
 mod control;
 mod error;
 pub mod image;
+pub mod lora;
 mod model;
 pub mod noise;
 pub mod scheduler;
@@ -43,7 +45,7 @@ mod vae;
 
 use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 pub use control::CancelHandle;
@@ -318,7 +320,14 @@ pub struct Pipeline {
     /// What [`Pipeline::reload`] loads again.
     model_dir: PathBuf,
     options: PipelineOptions,
+    /// Where each LoRA-targetable weight sits (empty: the model takes no LoRAs).
+    lora_maps: lora::WeightMaps,
+    /// Which load of the process this is: LoRA sets placed for it are bound to it.
+    instance: u64,
 }
+
+/// Counts pipeline loads, so a LoRA set placed for one is never bound by another.
+static INSTANCES: AtomicU64 = AtomicU64::new(0);
 
 impl Pipeline {
     /// Loads and checks the folder: every file present, every JSON valid, tokenizers matching
@@ -337,12 +346,13 @@ impl Pipeline {
         if let Some(max_mem) = options.cpu_arena_max_mem {
             session::cap_cpu_arena(&env, max_mem)?;
         }
+        let lora_maps = lora::WeightMaps::load(model_dir)?;
         let text = TextEncoders::load(&env, &config, options)?;
         let unet = Unet::load(&env, &config, options)?;
         let vae = VaeDecoder::load(&env, &config, options)?;
 
         // One real encode proves the encoders run and tells the conditioning widths.
-        let probe = text.encode("", &Runs::new(&CancelHandle::new(), Shrink::Never, &options.device).map_err(|e| LoadError::Graph {
+        let probe = text.encode("", None, &Runs::new(&CancelHandle::new(), Shrink::Never, &options.device).map_err(|e| LoadError::Graph {
             path: model_dir.join(model::TEXT_ENCODER),
             detail: format!("cannot create run options: {e}"),
         })?).map_err(|e| LoadError::Graph {
@@ -378,6 +388,8 @@ impl Pipeline {
             shrink_next: AtomicBool::new(false),
             model_dir: model_dir.to_path_buf(),
             options: options.clone(),
+            lora_maps,
+            instance: INSTANCES.fetch_add(1, Ordering::Relaxed),
         })
     }
 
@@ -468,7 +480,7 @@ impl Pipeline {
     /// # Errors
     /// As [`Pipeline::render`], stage text_encode.
     pub fn encode_prompt(&self, text: &str) -> Result<PromptEmbeds, RenderError> {
-        self.text.encode(text, &Runs::new(&CancelHandle::new(), Shrink::Never, &self.info.device)?)
+        self.text.encode(text, None, &Runs::new(&CancelHandle::new(), Shrink::Never, &self.info.device)?)
     }
 
     /// The schedule a render with `steps` steps uses.
@@ -536,7 +548,7 @@ impl Pipeline {
         control: &RenderControl,
         on_step: &mut dyn FnMut(StepProgress) -> ControlFlow<()>,
     ) -> Result<Vec<RenderOutput>, RenderError> {
-        self.render_parts(reqs, None, None, control, Shrink::Requested, on_step)
+        self.render_parts(reqs, None, None, None, control, Shrink::Requested, on_step)
     }
 
     fn render_inner(
@@ -548,15 +560,18 @@ impl Pipeline {
         shrink: Shrink,
         on_step: &mut dyn FnMut(StepProgress) -> ControlFlow<()>,
     ) -> Result<RenderOutput, RenderError> {
-        let mut outputs = self.render_parts(std::slice::from_ref(req), noise, trace, control, shrink, on_step)?;
+        let mut outputs = self.render_parts(std::slice::from_ref(req), noise, trace, None, control, shrink, on_step)?;
         Ok(outputs.remove(0))
     }
 
+    /// Renders `reqs` together, binding `loras` (when given) in every graph run of the render.
+    #[allow(clippy::too_many_arguments)]
     fn render_parts(
         &self,
         reqs: &[RenderRequest],
         noise: Option<&[f32]>,
         mut trace: Option<&mut Trace>,
+        loras: Option<&lora::ResidentSet>,
         control: &RenderControl,
         shrink: Shrink,
         on_step: &mut dyn FnMut(StepProgress) -> ControlFlow<()>,
@@ -600,13 +615,13 @@ impl Pipeline {
         let guided = first.guidance > 1.0;
         let mut conditions = Vec::with_capacity(reqs.len());
         for req in reqs {
-            let positive = self.text.encode(&req.prompt, &runs)?;
+            let positive = self.text.encode(&req.prompt, loras, &runs)?;
             let negative_text = req.negative_prompt.as_deref().filter(|n| !n.is_empty());
             let negative = match (guided, negative_text) {
                 (false, _) => None,
-                (true, Some(text)) => Some(self.text.encode(text, &runs)?),
+                (true, Some(text)) => Some(self.text.encode(text, loras, &runs)?),
                 (true, None) if self.config.force_zeros_for_empty_prompt => Some(positive.zeros_like()),
-                (true, None) => Some(self.text.encode("", &runs)?),
+                (true, None) => Some(self.text.encode("", loras, &runs)?),
             };
             conditions.push((positive, negative));
         }
@@ -652,6 +667,7 @@ impl Pipeline {
                 runs: &runs,
                 shrink_arena: shrink != Shrink::Never,
                 host_steps: trace.is_some(),
+                overrides: loras.map_or(&[], |set| set.part(shotfleet_schema::lora::Part::Unet)),
             };
             let cond = Conditioning {
                 positive: chunk.iter().map(|&(r, _)| &conditions[r].0).collect(),

@@ -4,9 +4,13 @@
 //! concatenated on the feature axis (768 + 1280 = 2048 for SDXL); the pooled embedding is
 //! `text_embeds` of the second encoder.
 
+use std::borrow::Cow;
 use std::path::Path;
 
 use ort::environment::Environment;
+use ort::session::SessionInputValue;
+use ort::value::DynTensor;
+use shotfleet_schema::lora::Part;
 
 use super::control::Runs;
 use super::error::{LoadError, RenderError, Stage};
@@ -14,6 +18,7 @@ use super::model::{FolderConfig, TEXT_ENCODER, TEXT_ENCODER_2, TOKENIZER, TOKENI
 use super::session::{ModelSession, extract_f32, int_tensor};
 use super::tokenizer::ClipTokenizer;
 use super::PipelineOptions;
+use super::lora::ResidentSet;
 
 /// The conditioning of one prompt.
 #[derive(Debug, Clone, PartialEq)]
@@ -83,16 +88,17 @@ impl Encoder {
         Ok(Encoder { tokenizer, session, input_ids, penultimate })
     }
 
-    fn run(&self, text: &str, extra: Option<&str>, runs: &Runs) -> Result<EncoderOutput, RenderError> {
+    /// `overrides`: LoRA-merged weights bound by initializer name for this run only.
+    fn run(&self, text: &str, extra: Option<&str>, overrides: &[(String, DynTensor)], runs: &Runs) -> Result<EncoderOutput, RenderError> {
         let ids = self.tokenizer.encode(text).map_err(RenderError::Tokenize)?;
         let ids: Vec<i64> = ids.into_iter().map(i64::from).collect();
         let port = self.session.input(&self.input_ids).expect("checked at load");
         let input = int_tensor(port, &[1, ids.len()], &ids).map_err(RenderError::runtime(Stage::TextEncode))?;
+        let mut inputs: Vec<(Cow<'_, str>, SessionInputValue<'_>)> = vec![(self.input_ids.as_str().into(), input.into())];
+        inputs.extend(overrides.iter().map(|(name, value)| (Cow::from(name.as_str()), SessionInputValue::from(value))));
         runs.check(Stage::TextEncode)?;
         let mut session = self.session.lock();
-        let outputs = session
-            .run_with_options(ort::inputs![self.input_ids.as_str() => input], runs.plain())
-            .map_err(runs.err(Stage::TextEncode))?;
+        let outputs = session.run_with_options(inputs, runs.plain()).map_err(runs.err(Stage::TextEncode))?;
         let bad = |detail: String| RenderError::Output { stage: Stage::TextEncode, detail };
         let (shape, hidden) = extract_f32(&outputs[self.penultimate.as_str()]).map_err(bad)?;
         if shape.len() != 3 || shape[0] != 1 {
@@ -145,13 +151,17 @@ impl TextEncoders {
         Ok((self.first.tokenizer.encode(text)?, self.second.tokenizer.encode(text)?))
     }
 
-    /// The conditioning of `text`.
+    /// The conditioning of `text`, with a LoRA set's text encoder weights when given.
     ///
     /// # Errors
     /// [`RenderError::Runtime`] from ONNX Runtime, or [`RenderError::Output`] on unexpected shapes.
-    pub(crate) fn encode(&self, text: &str, runs: &Runs) -> Result<PromptEmbeds, RenderError> {
-        let EncoderOutput { shape: shape1, hidden: hidden1, .. } = self.first.run(text, None, runs)?;
-        let EncoderOutput { shape: shape2, hidden: hidden2, extra: pooled } = self.second.run(text, Some(&self.pooled), runs)?;
+    pub(crate) fn encode(&self, text: &str, loras: Option<&ResidentSet>, runs: &Runs) -> Result<PromptEmbeds, RenderError> {
+        let (first, second) = match loras {
+            Some(set) => (set.part(Part::TextEncoder), set.part(Part::TextEncoder2)),
+            None => (&[][..], &[][..]),
+        };
+        let EncoderOutput { shape: shape1, hidden: hidden1, .. } = self.first.run(text, None, first, runs)?;
+        let EncoderOutput { shape: shape2, hidden: hidden2, extra: pooled } = self.second.run(text, Some(&self.pooled), second, runs)?;
         if shape1[1] != shape2[1] {
             return Err(RenderError::Output {
                 stage: Stage::TextEncode,

@@ -73,6 +73,8 @@ pub(crate) struct Denoise<'a> {
     pub shrink_arena: bool,
     /// Step on the host even where the device can (traced renders read every step's latents).
     pub host_steps: bool,
+    /// LoRA-merged weights, bound by initializer name for this sub-batch's calls only.
+    pub overrides: &'a [(String, DynTensor)],
 }
 
 /// The step graphs for one float type: with guidance (`[uncond; text]` in) and without.
@@ -198,7 +200,10 @@ impl Unet {
         // buffers' own where this shape has them, -1 (no graph) for everything else.
         let mut uncaptured = None;
         if let Some(graphs) = &self.graphs {
-            if device_steps && run.schedule.len() >= MIN_STEPS_TO_CAPTURE {
+            // A captured graph replays the weight addresses of its capture: renders with a LoRA
+            // set run uncaptured on a capturing session.
+            let capturable = !self.graphs_captured || run.overrides.is_empty();
+            if device_steps && run.schedule.len() >= MIN_STEPS_TO_CAPTURE && capturable {
                 let key = GraphKey { batch, c, h, w, seq_len: pos.seq_len, dim: pos.dim, pooled: pos.pooled.len() };
                 let mut graphs = graphs.lock().unwrap_or_else(|p| p.into_inner());
                 if let Some(buffers) = self.graph_buffers(&mut graphs, key, &session, &place).map_err(err)? {
@@ -216,6 +221,7 @@ impl Unet {
 
         // Conditioning: bound once, resident on the device for all steps.
         let mut binding = session.create_binding().map_err(err)?;
+        bind_overrides(&mut binding, run).map_err(err)?;
         let [ehs, pooled, time_ids] = conditioning;
         binding.bind_input(self.encoder_hidden_states.name.as_str(), &place.resident(ehs).map_err(err)?).map_err(err)?;
         binding.bind_input(self.text_embeds.name.as_str(), &place.resident(pooled).map_err(err)?).map_err(err)?;
@@ -342,6 +348,7 @@ impl Unet {
         self.first_sample(run, batch, latents)?.copy_into(&mut buffers.sample).map_err(err)?;
 
         let mut binding = session.create_binding().map_err(err)?;
+        bind_overrides(&mut binding, run).map_err(err)?;
         binding.bind_input(self.encoder_hidden_states.name.as_str(), &buffers.encoder_hidden_states).map_err(err)?;
         binding.bind_input(self.text_embeds.name.as_str(), &buffers.text_embeds).map_err(err)?;
         binding.bind_input(self.time_ids.name.as_str(), &buffers.time_ids).map_err(err)?;
@@ -521,6 +528,16 @@ impl Place {
     fn allocator(&self, session: &Session) -> ort::Result<Allocator> {
         if self.is_host() { Ok(Allocator::default()) } else { Allocator::new(session, self.memory()?) }
     }
+}
+
+/// Binds a LoRA set's merged weights in place of their initializers. Bindings are made per
+/// sub-batch and dropped with it, so the next render (of another job, maybe without LoRAs) binds
+/// only its own.
+fn bind_overrides(binding: &mut IoBinding, run: &Denoise<'_>) -> ort::Result<()> {
+    for (name, value) in run.overrides {
+        binding.bind_input(name.as_str(), value)?;
+    }
+    Ok(())
 }
 
 fn missing(name: &str) -> RenderError {

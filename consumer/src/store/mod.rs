@@ -215,6 +215,12 @@ impl Store {
         self.get_path(&self.own_path(key)?).await
     }
 
+    /// The key of `relative` (one path part, e.g. a LoRA library file name) under this store's
+    /// prefix, as [`get`](Self::get) takes it.
+    pub fn key_under_prefix(&self, relative: &str) -> String {
+        self.prefix.clone().join(relative).to_string()
+    }
+
     /// Parses a key handed back by a caller and checks it lies under this store's prefix.
     fn own_path(&self, key: &str) -> Result<Path, StoreError> {
         let invalid = |reason: String| StoreError::InvalidKey { key: key.escape_debug().to_string(), reason };

@@ -4,9 +4,14 @@
 
 use std::path::{Path, PathBuf};
 
+use std::sync::Arc;
+
 use ndarray::ArrayD;
 use ndarray_npy::ReadNpyExt;
-use shotfleet_consumer::pipeline::{Pipeline, PipelineOptions};
+use serde::Deserialize;
+use shotfleet_consumer::pipeline::lora::Adapter;
+use shotfleet_consumer::pipeline::{Pipeline, PipelineOptions, RenderRequest};
+use shotfleet_schema::lora::{FileLimits, LoraFile};
 
 /// `onnx/tiny`, made by `onnx/make_tiny.py`.
 pub fn fixture() -> PathBuf {
@@ -59,4 +64,53 @@ pub fn npy_u8(path: &Path) -> ArrayD<u8> {
 pub fn max_abs_diff(ours: &[f32], theirs: &[f32], what: &str) -> f32 {
     assert_eq!(ours.len(), theirs.len(), "{what}: {} values vs {} in the reference", ours.len(), theirs.len());
     ours.iter().zip(theirs).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max)
+}
+
+/// A case of `onnx/tiny/reference/cases.json`: what diffusers rendered.
+#[derive(Debug, Deserialize)]
+pub struct ReferenceCase {
+    pub name: String,
+    pub prompt: String,
+    pub negative_prompt: String,
+    pub width: u32,
+    pub height: u32,
+    pub steps: u32,
+    pub guidance: f32,
+    pub images: usize,
+    pub init_noise_sigma: f32,
+}
+
+impl ReferenceCase {
+    /// The request that renders the case (its noise comes from `latents_init.npy`).
+    pub fn request(&self) -> RenderRequest {
+        RenderRequest {
+            prompt: self.prompt.clone(),
+            negative_prompt: Some(self.negative_prompt.clone()),
+            width: self.width,
+            height: self.height,
+            steps: self.steps,
+            guidance: self.guidance,
+            seed: 0,
+            image_indices: (0..self.images as u32).collect(),
+            max_batch: self.images,
+        }
+    }
+}
+
+pub fn reference_case(name: &str) -> ReferenceCase {
+    let text = std::fs::read_to_string(reference_dir().join("cases.json")).expect("cases.json");
+    let cases: Vec<ReferenceCase> = serde_json::from_str(&text).expect("cases.json parses");
+    cases.into_iter().find(|c| c.name == name).unwrap_or_else(|| panic!("no case {name}"))
+}
+
+/// `onnx/tiny/lora`, made by `onnx/make_lora_fixtures.py`.
+pub fn lora_dir() -> PathBuf {
+    fixture().join("lora")
+}
+
+/// A fixture LoRA file, read, at `weight`.
+pub fn lora_adapter(file: &str, weight: f32) -> Adapter {
+    let bytes = std::fs::read(lora_dir().join(file)).unwrap_or_else(|e| panic!("{file}: {e}"));
+    let lora = LoraFile::parse(&bytes, &FileLimits::default()).unwrap_or_else(|e| panic!("{file}: {e}"));
+    Adapter { name: file.into(), file: Arc::new(lora), weight }
 }
