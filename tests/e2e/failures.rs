@@ -11,10 +11,12 @@ use shotfleet_testkit::NatsServer;
 use shotfleet_tests::*;
 
 /// A worker whose ONNX Runtime arena is capped at `mib`: it runs out of memory for real, as a
-/// small card would. Its probe renders stay small enough to fit.
+/// small card would. Its probe renders stay small enough to fit. A job it cannot hold is offered
+/// to the rest of the fleet for 2 s before it is degraded.
 fn capped(id: &str, store: &std::path::Path, classes: &'static str, mib: u64) -> WorkerSpec {
     let mut spec = WorkerSpec::new(id, store);
     spec.classes = classes;
+    spec.extra = "[degrade]\nhandoff = \"2s\"\n".into();
     spec.top = format!("cpu_arena_max_mib = {mib}");
     spec.calibration = "[[64, 64, 1], [128, 128, 1], [192, 192, 1]]";
     spec
@@ -53,6 +55,35 @@ async fn out_of_memory_goes_down_the_ladder_to_a_smaller_worker() {
     headers.insert("Nats-Msg-Id", "oom-1:deg:1");
     let ack = js.publish_with_headers("shots.p1.xs.acme", headers, "{}".into()).await.unwrap().await.unwrap();
     assert!(ack.duplicate);
+}
+
+#[tokio::test]
+async fn a_job_too_big_for_a_small_card_is_rendered_at_full_size_by_a_roomier_one() {
+    let server = NatsServer::start();
+    let js = jetstream_with(&server.url(), &Topology::default()).await;
+    let store = tempfile::tempdir().unwrap();
+    // The small card runs out of memory for real on a 768x768 job; the fleet gets a minute to
+    // take it at full size before anyone degrades it.
+    let mut small = capped("small-card", store.path(), "[\"s\"]", 200);
+    small.extra = "[degrade]\nhandoff = \"60s\"\n".into();
+    let small = Worker::start(&server.url(), small);
+    let s = shot(Priority::P1, job("handoff-1", "acme", (768, 768), 2, 1));
+    submit(&js, std::slice::from_ref(&s)).await;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !small.log().contains("out of memory") {
+        assert!(Instant::now() < deadline, "{}", small.log());
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    // A roomier card comes up later and renders it as asked.
+    let mut roomy = WorkerSpec::new("roomy-card", store.path());
+    roomy.classes = "[\"s\"]";
+    let _roomy = Worker::start(&server.url(), roomy);
+    let result = results(&outcomes(&js, &[s], Duration::from_secs(60)).await).remove(0);
+    assert_eq!(result.worker, "roomy-card", "{}", small.log());
+    assert_eq!(result.status, ResultStatus::Done, "rendered at full size, not degraded");
+    assert_eq!((result.images[0].width, result.images[0].height), (768, 768));
+    assert!(small.log().contains("offered to the fleet at full size"), "{}", small.log());
+    assert!(!small.metrics().contains("outcome=\"degrade_republished\""), "{}", small.metrics());
 }
 
 #[tokio::test]

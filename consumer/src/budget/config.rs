@@ -26,8 +26,6 @@ pub struct BudgetConfig {
     pub stop_fetch_at: f64,
     /// Above this used fraction render smaller batches.
     pub lower_batch_at: f64,
-    /// Below this used fraction larger batches are welcome.
-    pub allow_more_below: f64,
     /// Added on top of every estimated need, as a fraction of it.
     pub safety: f64,
     /// The side of the largest square an `xl` job may ask for (the schema's `max_side`); the
@@ -68,7 +66,6 @@ impl Default for BudgetConfig {
             margin_mib: 256,
             stop_fetch_at: 0.92,
             lower_batch_at: 0.85,
-            allow_more_below: 0.70,
             safety: 0.10,
             xl_max_side: 2048,
             learn_window: 64,
@@ -117,13 +114,12 @@ impl BudgetConfig {
         fraction("max_fill", self.max_fill)?;
         fraction("stop_fetch_at", self.stop_fetch_at)?;
         fraction("lower_batch_at", self.lower_batch_at)?;
-        fraction("allow_more_below", self.allow_more_below)?;
-        if !(self.allow_more_below < self.lower_batch_at && self.lower_batch_at < self.stop_fetch_at) {
+        if self.lower_batch_at >= self.stop_fetch_at {
             return Err(ConfigError {
                 field: "lower_batch_at",
                 message: format!(
-                    "water levels must rise: allow_more_below ({}) < lower_batch_at ({}) < stop_fetch_at ({})",
-                    self.allow_more_below, self.lower_batch_at, self.stop_fetch_at
+                    "water levels must rise: lower_batch_at ({}) < stop_fetch_at ({})",
+                    self.lower_batch_at, self.stop_fetch_at
                 ),
             });
         }

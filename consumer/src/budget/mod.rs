@@ -299,6 +299,19 @@ impl Budget {
         Ok(Some(Reservation { inner: Arc::clone(&self.inner), shape, bytes }))
     }
 
+    /// Whether one `width x height` image would fit this card with nothing else of this worker
+    /// in flight: `false` means this card cannot render the job now whatever it waits for (its
+    /// ceiling, or the other processes on it), so the job is for a roomier card or a smaller rung.
+    ///
+    /// # Errors
+    ///
+    /// The card could not be read.
+    pub fn holds_one(&self, width: u32, height: u32) -> Result<bool, ProbeError> {
+        let snapshot = self.inner.snapshot()?;
+        let plan = self.inner.plan();
+        Ok(self.inner.planned(&plan, Shape::new(width, height, 1)) <= self.inner.room(&snapshot, &plan).budget)
+    }
+
     /// What a `batch` of `width x height` images is planned to take: the estimate plus `safety`.
     pub fn planned(&self, width: u32, height: u32, batch: u32) -> u64 {
         self.inner.planned(&self.inner.plan(), Shape::new(width, height, batch))
@@ -547,7 +560,7 @@ mod tests {
         // 1340 MiB of room; planned one-image needs: xs 365.2, s 409.2, m 470.8, l 646.8, xl 893.2 MiB.
         let (budget, _) = budget(card(0, 1500 * MIB, true));
         let admission = budget.admit(MemoryClass::ALL).unwrap();
-        assert_eq!(admission.water, Water::More, "61% used");
+        assert_eq!(admission.water, Water::Normal, "61% used");
         let jobs: Vec<u32> = MemoryClass::ALL.iter().map(|&c| admission.jobs(c)).collect();
         assert_eq!(jobs, [3, 3, 2, 2, 1]);
         // Asked only for some classes, it answers only for those.
@@ -615,7 +628,7 @@ mod tests {
         assert!(!budget.admit(MemoryClass::ALL).unwrap().fits.is_empty());
         assert_eq!(budget.largest_batch(64, 64, 4).unwrap(), 2, "lower water halves the batch");
         *probe.0.lock().unwrap() = filled(0.5);
-        assert_eq!(budget.admit(MemoryClass::ALL).unwrap().water, Water::More);
+        assert_eq!(budget.admit(MemoryClass::ALL).unwrap().water, Water::Normal);
         assert_eq!(budget.largest_batch(64, 64, 4).unwrap(), 4);
     }
 
@@ -649,7 +662,7 @@ mod tests {
         // The other worker's 2600 MiB are not in this one's water: 40% of the share, not 88% of
         // the card. But they leave 496 MiB free on the card, less than the share has left.
         *probe.0.lock().unwrap() = card(0, 2600 * MIB, true);
-        assert_eq!(share.water().unwrap(), Water::More);
+        assert_eq!(share.water().unwrap(), Water::Normal);
         assert_eq!(share.status().unwrap().budget, (496 - 256) * MIB);
         assert_eq!(share.admit(MemoryClass::ALL).unwrap().classes(), [] as [MemoryClass; 0], "xs plans 365.2 MiB");
         // This worker's own renders fill its share: 2350 of 2500 MiB is past stop-fetch.

@@ -8,8 +8,6 @@ use super::config::BudgetConfig;
 /// What the card's fill asks of the worker.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Water {
-    /// Below `allow_more_below`: room for larger batches.
-    More,
     Normal,
     /// Above `lower_batch_at`: render smaller batches.
     Lower,
@@ -24,20 +22,8 @@ impl Water {
             Self::Stop
         } else if used_fraction > config.lower_batch_at {
             Self::Lower
-        } else if used_fraction < config.allow_more_below {
-            Self::More
         } else {
             Self::Normal
-        }
-    }
-
-    /// The metric label.
-    pub const fn as_str(self) -> &'static str {
-        match self {
-            Self::More => "more",
-            Self::Normal => "normal",
-            Self::Lower => "lower",
-            Self::Stop => "stop",
         }
     }
 }
@@ -49,13 +35,13 @@ mod tests {
     #[test]
     fn levels_follow_the_configured_thresholds() {
         let config = BudgetConfig::default();
-        assert_eq!(Water::at(0.10, &config), Water::More);
+        assert_eq!(Water::at(0.10, &config), Water::Normal);
         assert_eq!(Water::at(0.70, &config), Water::Normal);
         assert_eq!(Water::at(0.85, &config), Water::Normal);
         assert_eq!(Water::at(0.86, &config), Water::Lower);
         assert_eq!(Water::at(0.92, &config), Water::Lower);
         assert_eq!(Water::at(0.93, &config), Water::Stop);
-        let strict = BudgetConfig { stop_fetch_at: 0.5, lower_batch_at: 0.4, allow_more_below: 0.2, ..config };
+        let strict = BudgetConfig { stop_fetch_at: 0.5, lower_batch_at: 0.4, ..config };
         assert_eq!(Water::at(0.6, &strict), Water::Stop);
     }
 }

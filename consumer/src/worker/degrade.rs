@@ -9,6 +9,8 @@
 //! the rung; a job without a floor is bounded by the worker's `[degrade] min_side`. Below the
 //! floor the job fails with reason `oom`.
 
+use std::time::Duration;
+
 use serde::Deserialize;
 use shotfleet_schema::encoding::{self, ContentType};
 use shotfleet_schema::subject::{self, SubjectClass};
@@ -18,17 +20,22 @@ use crate::failure::JobError;
 use crate::worker::Shared;
 use crate::worker::delivery::Delivery;
 
-/// `[degrade]`: the ladder's lower end for jobs that name no floor.
+/// `[degrade]`: the ladder's lower end for jobs that name no floor, and how long a job that ran
+/// out of memory is offered to the fleet at full size before it is degraded.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct DegradeConfig {
     /// The shorter side never falls below this many pixels (nor below the job's own).
     pub min_side: u32,
+    /// From a job's first out-of-memory in the fleet, how long workers that cannot hold it
+    /// give it back (so a roomier card renders it at full size) before one degrades it.
+    #[serde(with = "humantime_serde")]
+    pub handoff: Duration,
 }
 
 impl Default for DegradeConfig {
     fn default() -> Self {
-        Self { min_side: 512 }
+        Self { min_side: 512, handoff: Duration::from_secs(30) }
     }
 }
 
@@ -97,7 +104,7 @@ mod tests {
 
     #[test]
     fn resolution_drops_one_class_keeping_the_aspect() {
-        let ladder = DegradeConfig { min_side: 256 };
+        let ladder = DegradeConfig { min_side: 256, ..DegradeConfig::default() };
         let j = job(1536, 1536, 30);
         let down = next_rung(&j, &ladder).unwrap();
         assert_eq!((down.width, down.height, down.steps), (1024, 1024, 30));

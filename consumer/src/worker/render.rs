@@ -16,13 +16,16 @@ use crate::budget::{MIB, Measured, Reservation, Shape};
 use crate::failure::{ErrorKind, JobError, classify_render};
 use crate::pipeline::{CancelHandle, RenderControl, RenderError, RenderOutput, RenderRequest, RenderedImage, Stage, VaeDecode};
 use crate::telemetry;
+use crate::worker::attempts::Counts;
+use crate::worker::commit;
 use crate::worker::delivery::Delivery;
 use crate::worker::{Shared, shrink_arenas};
 
 /// How long a job with no room here waits before it is offered again.
 const NO_ROOM_DELAY: Duration = Duration::from_millis(500);
-/// How long a job waits after its first out-of-memory: long enough for another worker's pull.
-const FIRST_OOM_DELAY: Duration = Duration::from_secs(1);
+/// How long a job waits after an out-of-memory before it is offered again: long enough for
+/// another worker's pull.
+const OOM_DELAY: Duration = Duration::from_secs(1);
 
 /// A finished render and how long it took.
 pub struct Rendered {
@@ -46,7 +49,13 @@ struct Attempt {
 /// own error by its kind.
 pub async fn render_job(shared: &Arc<Shared>, delivery: &Delivery, job: &ShotJob) -> Result<Rendered, JobError> {
     let Some((batch, mut reservation)) = plan(shared, job) else {
-        return Err(JobError::give_back(NO_ROOM_DELAY, "no room for this job now"));
+        if shared.budget.holds_one(job.width, job.height).unwrap_or(true) {
+            return Err(JobError::give_back(NO_ROOM_DELAY, "no room for this job now"));
+        }
+        // Not one image fits this card with nothing else in flight: as if it ran out of memory
+        // one image at a time.
+        let detail = format!("{}x{}: not one image fits {} beside what else is on its card", job.width, job.height, shared.config.worker_id);
+        return Err(hand_off_or_degrade(shared, delivery, job, detail).await);
     };
     let mut attempt = Attempt { batch, vae: VaeDecode::Whole };
     let deadline = Instant::now() + shared.config.job_time_limit;
@@ -61,31 +70,43 @@ pub async fn render_job(shared: &Arc<Shared>, delivery: &Delivery, job: &ShotJob
         telemetry::out_of_memory();
         shrink_arenas(shared).await;
         warn!(job = %job.job_id, batch = attempt.batch, vae = ?attempt.vae, planned_now = planned, detail = %error, "out of memory");
-        if first_out_of_memory(shared, delivery, job).await && attempt.batch == batch && attempt.vae == VaeDecode::Whole {
-            return Err(JobError::give_back(FIRST_OOM_DELAY, format!("out of memory on {}; offered to the fleet once at full size", shared.config.worker_id)));
+        let first = attempt.batch == batch && attempt.vae == VaeDecode::Whole;
+        if first && out_of_memory(shared, delivery, job).await.ooms == 1 {
+            return Err(JobError::give_back(OOM_DELAY, format!("out of memory on {}; offered to the fleet at full size", shared.config.worker_id)));
         }
         let Some(next) = next_in_place(job, attempt, stage) else {
-            return Err(error);
+            return Err(hand_off_or_degrade(shared, delivery, job, error.detail).await);
         };
         attempt = next;
         reservation = match shared.budget.reserve(job.width, job.height, attempt.batch) {
             Ok(Some(reservation)) => reservation,
-            _ => return Err(JobError::give_back(FIRST_OOM_DELAY, "no room for a smaller batch now")),
+            _ => return Err(JobError::give_back(OOM_DELAY, "no room for a smaller batch now")),
         };
         info!(job = %job.job_id, batch = attempt.batch, vae = ?attempt.vae, "degrading in place");
     }
 }
 
-/// Whether this is the job message's first out-of-memory anywhere in the fleet (counted in the
-/// attempts bucket; without it, whether this is its first delivery).
-async fn first_out_of_memory(shared: &Shared, delivery: &Delivery, job: &ShotJob) -> bool {
-    match shared.attempts.out_of_memory(delivery, &job.job_id).await {
-        Ok(counts) => counts.ooms == 1,
-        Err(e) => {
-            warn!(job = %job.job_id, error = %e, "cannot count the out-of-memory; going by the delivery count");
-            delivery.attempt == 1
-        }
+/// Counts an out-of-memory of the job message in the attempts bucket and returns the fleet's
+/// counts (without the bucket: the delivery count, and a first one long past).
+async fn out_of_memory(shared: &Shared, delivery: &Delivery, job: &ShotJob) -> Counts {
+    shared.attempts.out_of_memory(delivery, &job.job_id).await.unwrap_or_else(|e| {
+        warn!(job = %job.job_id, error = %e, "cannot count the out-of-memory; going by the delivery count");
+        Counts { ooms: delivery.attempt as u32, first_oom_ms: Some(0), ..Counts::default() }
+    })
+}
+
+/// This worker cannot render the job even one image at a time: while the fleet has had less
+/// than `[degrade] handoff` since the job's first out-of-memory, give it back (a roomier card
+/// renders it at full size); after that, out of memory (settle degrades it).
+async fn hand_off_or_degrade(shared: &Shared, delivery: &Delivery, job: &ShotJob, detail: String) -> JobError {
+    let counts = out_of_memory(shared, delivery, job).await;
+    let since_first = counts.first_oom_ms.map_or(Duration::ZERO, |first| Duration::from_millis(commit::now_ms().saturating_sub(first)));
+    let handoff = shared.config.degrade.handoff;
+    if since_first < handoff {
+        let left = handoff - since_first;
+        return JobError::give_back(OOM_DELAY, format!("{detail}; offered to the fleet at full size for {:.0}s more before it is degraded", left.as_secs_f64()));
     }
+    JobError::new(ErrorKind::Oom, detail)
 }
 
 fn plan(shared: &Shared, job: &ShotJob) -> Option<(u32, Reservation)> {
