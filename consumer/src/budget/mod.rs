@@ -372,6 +372,19 @@ impl Budget {
         *lock(&self.inner.cache) = None;
     }
 
+    /// Which of `classes` fit this card's budget when it holds no job: a class left out never
+    /// runs here, however long the worker idles.
+    ///
+    /// # Errors
+    ///
+    /// The card could not be read.
+    pub fn admits_when_idle(&self, classes: &[MemoryClass]) -> Result<Vec<MemoryClass>, ProbeError> {
+        let snapshot = self.inner.snapshot()?;
+        let plan = self.inner.plan();
+        let budget = self.inner.room(&snapshot, &plan).budget;
+        Ok(classes.iter().copied().filter(|&class| self.inner.planned(&plan, self.class_shape(class)) <= budget).collect())
+    }
+
     /// The largest one-image shape of `class`: a square of its pixel bound.
     fn class_shape(&self, class: MemoryClass) -> Shape {
         let side = class.max_pixels().map_or(self.inner.config.xl_max_side, |pixels| pixels.isqrt() as u32);

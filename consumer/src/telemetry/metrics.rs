@@ -8,7 +8,8 @@ use std::time::Duration;
 
 use metrics::{Unit, counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
-use shotfleet_schema::{Priority, SubjectClass};
+use shotfleet_schema::names::Named as _;
+use shotfleet_schema::{FailureReason, Priority, SubjectClass};
 
 use super::TelemetryError;
 
@@ -25,6 +26,9 @@ pub const ESTIMATE_ERROR_RATIO: &str = "shotfleet_estimate_error_ratio";
 pub const IN_FLIGHT_JOBS: &str = "shotfleet_in_flight_jobs";
 pub const OUT_OF_MEMORY_TOTAL: &str = "shotfleet_out_of_memory_total";
 pub const SESSION_REBUILDS_TOTAL: &str = "shotfleet_session_rebuilds_total";
+pub const IMAGES_TOTAL: &str = "shotfleet_images_total";
+pub const FAILURES_TOTAL: &str = "shotfleet_failures_total";
+pub const BACKLOG_JOBS: &str = "shotfleet_backlog_jobs";
 
 /// Seconds a job waited in the stream; backfill (`p2`) can wait hours under load.
 const QUEUE_WAIT_BUCKETS: &[f64] =
@@ -55,10 +59,12 @@ pub enum JobOutcome {
     DegradeRepublished,
     /// A result already existed (a redelivery after another worker committed); acked, not rendered.
     DuplicateSkip,
+    /// Cancelled (`shotfleet cancel`): settled by its `cancelled` outcome, queued or mid-render.
+    Cancelled,
 }
 
 impl JobOutcome {
-    pub const ALL: [JobOutcome; 7] = [
+    pub const ALL: [JobOutcome; 8] = [
         Self::Done,
         Self::Degraded,
         Self::Failed,
@@ -66,6 +72,7 @@ impl JobOutcome {
         Self::Routed,
         Self::DegradeRepublished,
         Self::DuplicateSkip,
+        Self::Cancelled,
     ];
 
     pub const fn as_str(self) -> &'static str {
@@ -77,6 +84,7 @@ impl JobOutcome {
             Self::Routed => "routed",
             Self::DegradeRepublished => "degrade_republished",
             Self::DuplicateSkip => "duplicate_skip",
+            Self::Cancelled => "cancelled",
         }
     }
 }
@@ -96,6 +104,7 @@ pub fn install() -> Result<PrometheusHandle, TelemetryError> {
         .get_or_init(|| {
             let handle = builder().and_then(|b| b.install_recorder()).map_err(|e| e.to_string())?;
             describe();
+            zeroes();
             Ok(handle)
         })
         .clone()
@@ -132,6 +141,36 @@ fn describe() {
         "(observed - estimated) / estimated peak memory per job; above 0 the estimate was too low."
     );
     describe_gauge!(IN_FLIGHT_JOBS, Unit::Count, "Jobs fetched and not yet acked, naked or terminated.");
+    describe_counter!(IMAGES_TOTAL, Unit::Count, "Images of jobs this worker committed, by priority and class.");
+    describe_counter!(FAILURES_TOTAL, Unit::Count, "Jobs this worker failed (a failed record written), by reason.");
+    describe_gauge!(BACKLOG_JOBS, Unit::Count, "Jobs of a render consumer this worker serves, by state, as the server last reported.");
+}
+
+/// Counters a dashboard rates from the start, at zero before their first event (a series that
+/// does not exist yet draws nothing, and hides a typo in a query).
+fn zeroes() {
+    counter!(OUT_OF_MEMORY_TOTAL).absolute(0);
+    counter!(SESSION_REBUILDS_TOTAL).absolute(0);
+    for reason in FailureReason::all() {
+        counter!(FAILURES_TOTAL, "reason" => reason.as_str()).absolute(0);
+    }
+}
+
+/// Counts the images of a job this worker committed.
+pub fn images_rendered(priority: Priority, class: SubjectClass, images: usize) {
+    counter!(IMAGES_TOTAL, "priority" => priority.as_str(), "class" => class.as_str()).increment(images as u64);
+}
+
+/// Counts a job this worker failed (its failed record written), by reason.
+pub fn job_failed(reason: FailureReason) {
+    counter!(FAILURES_TOTAL, "reason" => reason.as_str()).increment(1);
+}
+
+/// Sets a render consumer's backlog as the server last reported it: `pending` jobs not yet
+/// delivered, `in_progress` delivered and not yet acked.
+pub fn backlog(consumer: &str, pending: u64, in_progress: u64) {
+    gauge!(BACKLOG_JOBS, "consumer" => consumer.to_owned(), "state" => "pending").set(pending as f64);
+    gauge!(BACKLOG_JOBS, "consumer" => consumer.to_owned(), "state" => "in_progress").set(in_progress as f64);
 }
 
 /// Counts one job leaving the worker.
