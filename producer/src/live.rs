@@ -83,6 +83,7 @@ impl Live {
         }
         match event.event {
             ProgressEvent::Taken | ProgressEvent::Step => {
+                let event_kind = event.event;
                 let line = describe(&event);
                 let fraction = fraction(&event);
                 *stage = Stage::Rendering(Box::new(event));
@@ -99,7 +100,7 @@ impl Live {
                         bar.set_position((fraction * 1000.0) as u64);
                         bar.set_message(line);
                     }
-                    None => self.line(&job, &line, false),
+                    None => self.line(&job, &line, event_kind == ProgressEvent::Taken),
                 }
             }
             ProgressEvent::Queued => {
@@ -167,14 +168,16 @@ impl Live {
         }
     }
 
-    /// A line about one job: above the bars on a terminal, else on stderr; step lines at most
-    /// every [`LINE_EVERY`] per job off a terminal.
+    /// A line about one job: above the bars on a terminal, else on stderr. Step lines
+    /// (`always` false) at most every [`LINE_EVERY`] per job.
     fn line(&mut self, job: &str, text: &str, always: bool) {
         let now = Instant::now();
-        if !always && self.printed.get(job).is_some_and(|at| now.duration_since(*at) < LINE_EVERY) {
-            return;
+        if !always {
+            if self.printed.get(job).is_some_and(|at| now.duration_since(*at) < LINE_EVERY) {
+                return;
+            }
+            self.printed.insert(job.to_owned(), now);
         }
-        self.printed.insert(job.to_owned(), now);
         match &self.bars {
             Some(bars) => {
                 let _ = bars.multi.println(format!("{job}: {text}"));
@@ -196,7 +199,8 @@ impl Live {
             })
             .collect();
         let more = if waiting.len() > WAITING_NAMED { ", …" } else { "" };
-        let text = format!("{} waiting in the queue: {}{more}", waiting.len(), named.join(", "));
+        let finished = self.stages.values().filter(|s| **s == Stage::Finished).count();
+        let text = format!("{finished}/{} finished · {} waiting in the queue: {}{more}", self.stages.len(), waiting.len(), named.join(", "));
         if let Some(bars) = &self.bars {
             bars.waiting.set_message(text);
         }

@@ -343,19 +343,21 @@ async fn submit_file(options: &NatsOptions, args: SubmitArgs) -> Result<u8, Fail
             duplicate: duplicates.contains(&s.job.job_id),
         })
         .collect();
-    let progress = Progress::new(awaited.len() as u64, "finished");
+    // On a terminal the bars say how many finished; elsewhere a line every tenth.
+    let terminal = std::io::stderr().is_terminal();
+    let progress = (!terminal).then(|| Progress::new(awaited.len() as u64, "finished"));
     let order: std::collections::HashMap<&str, usize> = board.shots.iter().enumerate().map(|(i, s)| (s.job.job_id.as_str(), i)).collect();
     placed.sort_by_key(|p| order.get(p.job_id.as_str()).copied());
-    let shown = std::sync::Arc::new(std::sync::Mutex::new(live::Live::new(&placed, std::io::stderr().is_terminal())));
+    let shown = std::sync::Arc::new(std::sync::Mutex::new(live::Live::new(&placed, terminal)));
     let _following = live::follow(&js, placed, shown.clone()).await.map_err(|e| server(anyhow::anyhow!(e)))?;
     let outcomes = wait::wait(&js, &awaited, since, args.timeout, |job, outcome| {
-        progress.inc();
+        progress.iter().for_each(Progress::inc);
         shown.lock().unwrap_or_else(std::sync::PoisonError::into_inner).finished(job, outcome);
     })
     .await
     .map_err(server)?;
     shown.lock().unwrap_or_else(std::sync::PoisonError::into_inner).finish();
-    progress.finish();
+    progress.iter().for_each(Progress::finish);
     print_table(&board.shots, &outcomes);
     let failed = outcomes.values().filter(|o| o.is_failed()).count();
     Ok(if failed > 0 { 1 } else { 0 })

@@ -38,12 +38,14 @@ impl OutcomeWatch {
             }
         };
         let (results, token) = (shared.results.clone(), settled.clone());
-        let (project, job_id) = (job.project.clone(), job.job_id.clone());
+        let (project, job_id, worker) = (job.project.clone(), job.job_id.clone(), shared.config.worker_id.clone());
         let task = tokio::spawn(async move {
             // One look after subscribing: an outcome stored between the take and the
             // subscription would otherwise go unseen.
             loop {
                 match commit::last_outcome_in(&results, &project, &job_id).await {
+                    // This worker's own result: the job is done here, nothing to stop.
+                    Ok(Some(outcome)) if outcome.result.is_rendered() && outcome.result.worker == worker => return,
                     Ok(Some(outcome)) if outcome.settles(published) => {
                         announce(&job_id, &outcome);
                         token.cancel();
