@@ -76,3 +76,31 @@ pub async fn cancel(client: &async_nats::Client, selection: &Selection, by: &str
         None => Ok(reply),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn selection(jobs: &[&str], shot: Option<&str>) -> Selection {
+        Selection { project: "tide".into(), jobs: jobs.iter().map(|j| (*j).to_owned()).collect(), shot: shot.map(str::to_owned) }
+    }
+
+    #[test]
+    fn one_job_goes_to_its_own_subject_anything_else_to_the_project() {
+        let (subject, request) = selection(&["ep1-s1"], None).request("ana");
+        assert_eq!(subject, "shots.cancel.tide.ep1-s1");
+        assert!(request.jobs.is_empty() && request.by == "ana");
+        let (subject, request) = selection(&["a", "b"], None).request("ana");
+        assert_eq!((subject.as_str(), request.jobs.len()), ("shots.cancel.tide.@project", 2));
+        let (subject, request) = selection(&[], Some("s03")).request("ana");
+        assert_eq!((subject.as_str(), request.shot.as_deref()), ("shots.cancel.tide.@project", Some("s03")));
+    }
+
+    #[test]
+    fn ids_that_cannot_be_subject_tokens_are_refused() {
+        assert!(selection(&["ep1.s1"], None).validate().unwrap_err().contains("ep1.s1"));
+        assert!(selection(&[], Some("s 3")).validate().is_err());
+        assert!(Selection { project: "a>b".into(), jobs: vec![], shot: None }.validate().unwrap_err().contains("project"));
+        assert!(selection(&["ok-1"], None).validate().is_ok());
+    }
+}

@@ -125,3 +125,89 @@ pub async fn ping(client: &async_nats::Client, wait: Duration) -> Result<Vec<Wor
 pub async fn ping_to(client: &async_nats::Client, inbox: &str) -> Result<(), String> {
     client.publish_with_reply(PING_SUBJECT, inbox.to_owned(), bytes::Bytes::new()).await.map_err(|e| e.to_string())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::status::QueueStatus;
+    use shotfleet_schema::Priority;
+
+    fn queue(class: SubjectClass, pending: u64) -> QueueStatus {
+        let (consumer, _) = shotfleet_schema::subject::consumer(Priority::P1, class);
+        QueueStatus { consumer, priority: Priority::P1, class, pending, in_progress: 0, redelivered: 0, oldest: None }
+    }
+
+    fn worker(name: &str, serves: &[MemoryClass], admits: &[MemoryClass]) -> WorkerState {
+        WorkerState {
+            v: 1,
+            worker: name.into(),
+            device: "card".into(),
+            serves: serves.to_vec(),
+            admits: admits.to_vec(),
+            gpu: GpuMemory::default(),
+            in_flight: 0,
+            taking_jobs: true,
+            at_ms: 0,
+        }
+    }
+
+    #[test]
+    fn waiting_classes_without_a_live_server_or_room_are_named() {
+        use MemoryClass::{L, M, S, Xl, Xs};
+        let status = Status {
+            queues: vec![
+                queue(SubjectClass::Class(Xs), 2),
+                queue(SubjectClass::Class(M), 1),
+                queue(SubjectClass::Class(Xl), 3),
+                queue(SubjectClass::Class(L), 0),
+                queue(SubjectClass::Auto, 4),
+            ],
+            ..Status::default()
+        };
+        let now = Instant::now();
+        let mut fleet = Fleet::default();
+        let none = fleet.warnings(&status, now);
+        assert_eq!(none.len(), 4, "with no live worker every waiting queue is named: {none:?}");
+        assert!(none.iter().all(|w| w.contains("no live worker answers")), "{none:?}");
+
+        fleet.answered(worker("small", &[Xs, S, M], &[Xs, S]), now);
+        let warnings = fleet.warnings(&status, now);
+        assert_eq!(warnings.len(), 2, "{warnings:?}");
+        assert!(warnings[0].contains("render-p1-m") && warnings[0].contains("no live worker can admit class m"), "{warnings:?}");
+        assert!(warnings[1].contains("render-p1-xl") && warnings[1].contains("no live worker serves class xl (they serve xs, s, m)"), "{warnings:?}");
+
+        // A worker not heard of for a minute no longer counts.
+        let later = now + LIVE_FOR + Duration::from_secs(1);
+        assert_eq!(fleet.warnings(&status, later).len(), 4);
+    }
+
+    #[test]
+    fn progress_events_say_what_a_worker_holds() {
+        let now = Instant::now();
+        let mut fleet = Fleet::default();
+        let event = |kind| ShotProgress {
+            v: 1,
+            project: "p".into(),
+            job_id: "j".into(),
+            shot_id: "s".into(),
+            event: kind,
+            worker: "w".into(),
+            step: 3,
+            steps: 30,
+            batch: 1,
+            images_done: 0,
+            images: 1,
+            elapsed_ms: 0,
+            degrade_level: 0,
+            detail: None,
+            gpu: Some(GpuMemory { used_bytes: 1, total_bytes: 2, budget_bytes: 1 }),
+            at_ms: 0,
+        };
+        fleet.progressed(event(ProgressEvent::Step), now);
+        assert_eq!(fleet.workers["w"].holds.len(), 1);
+        assert_eq!(fleet.workers["w"].gpu.map(|g| g.total_bytes), Some(2));
+        fleet.progressed(event(ProgressEvent::Settled), now);
+        assert!(fleet.workers["w"].holds.is_empty());
+        assert_eq!(fleet.live(now).count(), 1);
+    }
+}

@@ -345,3 +345,53 @@ pub async fn positions(js: &jetstream::Context, waiting: &[Placed]) -> HashMap<S
     }
     found
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn event(step: u32, steps: u32, batch: u32, images_done: u32, images: u32) -> ShotProgress {
+        ShotProgress {
+            v: 1,
+            project: "p".into(),
+            job_id: "j".into(),
+            shot_id: "s".into(),
+            event: ProgressEvent::Step,
+            worker: "w".into(),
+            step,
+            steps,
+            batch,
+            images_done,
+            images,
+            elapsed_ms: 1500,
+            degrade_level: 0,
+            detail: None,
+            gpu: None,
+            at_ms: 0,
+        }
+    }
+
+    #[test]
+    fn a_job_advances_through_its_sub_batches() {
+        // 4 images in sub-batches of 2: half way through the first batch is a quarter done.
+        assert!((fraction(&event(15, 30, 2, 0, 4)) - 0.25).abs() < 1e-9);
+        assert!((fraction(&event(30, 30, 2, 2, 4)) - 1.0).abs() < 1e-9);
+        assert_eq!(fraction(&event(0, 0, 0, 0, 1)), 0.0);
+    }
+
+    #[test]
+    fn waiting_jobs_leave_the_line_when_taken_and_finished() {
+        let placed: Vec<Placed> = ["a", "b", "c"]
+            .iter()
+            .map(|id| Placed { project: "p".into(), job_id: (*id).into(), priority: Priority::P1, class: SubjectClass::Auto, sequence: 1 })
+            .collect();
+        let mut live = Live::new(&placed, false);
+        assert_eq!(live.waiting(), ["a", "b", "c"]);
+        live.positions(&HashMap::from([("b".to_owned(), 7)]));
+        assert_eq!(live.waiting_line().unwrap(), "3 waiting in the queue: a, b #7, c");
+        live.progressed(ShotProgress { job_id: "a".into(), ..event(1, 30, 1, 0, 1) });
+        assert_eq!(live.waiting(), ["b", "c"]);
+        live.progressed(ShotProgress { job_id: "a".into(), event: ProgressEvent::Queued, detail: Some("no room".into()), ..event(1, 30, 1, 0, 1) });
+        assert_eq!(live.waiting(), ["a", "b", "c"], "given back: waiting again");
+    }
+}

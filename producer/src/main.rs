@@ -181,7 +181,7 @@ struct SubmitArgs {
     /// Publish the valid lines of a file that has bad ones (by default nothing is published).
     #[arg(long)]
     skip_invalid: bool,
-    /// Wait until every job has a result or a failed record; exit 1 if any failed.
+    /// Wait until every job has an outcome; exit 1 if any failed (cancelled ones do not count).
     #[arg(long)]
     wait: bool,
     /// With --wait: give up after this long (e.g. 30m).
@@ -359,13 +359,14 @@ async fn submit_file(options: &NatsOptions, args: SubmitArgs) -> Result<u8, Fail
     shown.lock().unwrap_or_else(std::sync::PoisonError::into_inner).finish();
     progress.iter().for_each(Progress::finish);
     print_table(&board.shots, &outcomes);
-    let failed = outcomes.values().filter(|o| o.is_failed()).count();
+    // A cancelled job ended as someone asked: not a failure.
+    let failed = outcomes.values().filter(|o| matches!(o, Outcome::Failed { reason, .. } if reason != "cancelled")).count();
     Ok(if failed > 0 { 1 } else { 0 })
 }
 
 fn print_table(shots: &[storyboard::Shot], outcomes: &std::collections::HashMap<String, Outcome>) {
     println!("{:<24} {:<12} {:<4} {:<9} {:>6} {:>9}  detail", "job", "shot", "prio", "status", "images", "render_s");
-    let (mut done, mut degraded, mut failed) = (0, 0, 0);
+    let (mut done, mut degraded, mut failed, mut cancelled) = (0, 0, 0, 0);
     for shot in shots {
         let job = &shot.job;
         let (status, images, render, detail) = match outcomes.get(&job.job_id) {
@@ -380,6 +381,10 @@ fn print_table(shots: &[storyboard::Shot], outcomes: &std::collections::HashMap<
                     first,
                 )
             }
+            Some(Outcome::Failed { reason, detail, .. }) if reason == "cancelled" => {
+                cancelled += 1;
+                ("cancelled", "-".into(), "-".into(), detail.clone())
+            }
             Some(Outcome::Failed { reason, detail, .. }) => {
                 failed += 1;
                 ("failed", "-".into(), "-".into(), format!("{reason}: {detail}"))
@@ -388,7 +393,7 @@ fn print_table(shots: &[storyboard::Shot], outcomes: &std::collections::HashMap<
         };
         println!("{:<24} {:<12} {:<4} {:<9} {:>6} {:>9}  {detail}", job.job_id, job.shot_id, shot.priority, status, images, render);
     }
-    println!("{done} done, {degraded} degraded, {failed} failed");
+    println!("{done} done, {degraded} degraded, {failed} failed, {cancelled} cancelled");
     print_waits(shots, outcomes);
 }
 

@@ -9,12 +9,11 @@ mod seeing;
 
 use std::time::{Duration, Instant};
 
-use seeing::{progress_events, shotfleet, text, wait_for};
+use seeing::{OneWorker, progress_events, shotfleet, text, wait_for};
 use shotfleet_producer::wait::Outcome;
 use shotfleet_schema::progress::ProgressEvent;
 use shotfleet_schema::{Priority, ResultStatus, ShotResult, subject};
-use shotfleet_testkit::NatsServer;
-use shotfleet_tests::{Worker, WorkerSpec, job, jetstream_with, outcomes, shot, submit, wait_settled};
+use shotfleet_tests::{job, outcomes, shot, submit, wait_settled};
 
 async fn last_outcome(js: &async_nats::jetstream::Context, project: &str, job_id: &str) -> ShotResult {
     let stream = js.get_stream(subject::RESULTS_STREAM).await.unwrap();
@@ -24,10 +23,8 @@ async fn last_outcome(js: &async_nats::jetstream::Context, project: &str, job_id
 
 #[tokio::test(flavor = "multi_thread")]
 async fn cancel_stops_a_render_and_removes_queued_jobs() {
-    let server = NatsServer::start();
-    let js = jetstream_with(&server.url(), &Default::default()).await;
-    let store = tempfile::tempdir().unwrap();
-    let _worker = Worker::start(&server.url(), WorkerSpec::new("w1", store.path()));
+    let fleet = OneWorker::start().await;
+    let (js, store) = (&fleet.js, &fleet.store);
     let mut events = progress_events(&js.client(), "cx").await;
 
     // One long render holds the only slot; two jobs wait behind it, one more in a class
@@ -37,34 +34,34 @@ async fn cancel_stops_a_render_and_removes_queued_jobs() {
     let mut stuck = job("cx-xl", "cx", (1600, 1600), 1, 1);
     stuck.shot_id = "s-xl".into();
     let shots = vec![shot(Priority::P1, long), shot(Priority::P1, queued), shot(Priority::P1, kept), shot(Priority::P1, stuck)];
-    submit(&js, &shots).await;
+    submit(js, &shots).await;
     let step = wait_for(&mut events, "cx-long", ProgressEvent::Step).await;
     assert!(step.step < step.steps, "the render is under way: {step:?}");
 
     let started = Instant::now();
-    let out = shotfleet(&server.url(), &["cancel", "--project", "cx", "--by", "tester", "cx-long", "cx-q1"]).await;
+    let out = shotfleet(&fleet.url(), &["cancel", "--project", "cx", "--by", "tester", "cx-long", "cx-q1"]).await;
     let said = text(&out);
     assert!(out.status.success(), "{said}");
     assert!(said.contains("cx-long") && said.contains("cx-q1") && said.contains("2 cancelled"), "{said}");
     // The render stops at its next step: long before its 150 x 4 steps.
     let settled = wait_for(&mut events, "cx-long", ProgressEvent::Settled).await;
     assert!(started.elapsed() < Duration::from_secs(20), "stopped after {:?}", started.elapsed());
-    let out = shotfleet(&server.url(), &["cancel", "--project", "cx", "--shot", "s-xl"]).await;
+    let out = shotfleet(&fleet.url(), &["cancel", "--project", "cx", "--shot", "s-xl"]).await;
     assert!(out.status.success() && text(&out).contains("cx-xl"), "{}", text(&out));
 
     // Every job has one outcome; the cancelled ones say who.
-    let ended = outcomes(&js, &shots, Duration::from_secs(60)).await;
+    let ended = outcomes(js, &shots, Duration::from_secs(60)).await;
     for id in ["cx-long", "cx-q1", "cx-xl"] {
         match &ended[id] {
             Outcome::Failed { reason, detail, .. } => assert!(reason == "cancelled" && detail.contains("cancelled by"), "{id}: {reason}: {detail}"),
             other => panic!("{id} was not cancelled: {other:?}"),
         }
-        let result = last_outcome(&js, "cx", id).await;
+        let result = last_outcome(js, "cx", id).await;
         assert_eq!(result.status, ResultStatus::Cancelled, "{id}");
     }
-    assert_eq!(last_outcome(&js, "cx", "cx-long").await.failure.unwrap().detail, "cancelled by tester");
+    assert_eq!(last_outcome(js, "cx", "cx-long").await.failure.unwrap().detail, "cancelled by tester");
     assert!(matches!(&ended["cx-q2"], Outcome::Done(_)), "the job behind the cancelled ones renders: {:?}", ended["cx-q2"]);
-    wait_settled(&js, Duration::from_secs(30)).await;
+    wait_settled(js, Duration::from_secs(30)).await;
     // Nothing of the stopped render is left, and the queued job was never rendered.
     for id in ["cx-long", "cx-q1"] {
         let folder = store.path().join("cx").join(id);
@@ -74,10 +71,10 @@ async fn cancel_stops_a_render_and_removes_queued_jobs() {
     assert!(settled.images_done < 4, "stopped before finishing: {settled:?}");
 
     // Cancelling what is finished changes nothing; an unknown job is said to be so.
-    let out = shotfleet(&server.url(), &["cancel", "--project", "cx", "cx-q2"]).await;
+    let out = shotfleet(&fleet.url(), &["cancel", "--project", "cx", "cx-q2"]).await;
     assert!(out.status.success() && text(&out).contains("already finished"), "{}", text(&out));
-    assert_eq!(last_outcome(&js, "cx", "cx-q2").await.status, ResultStatus::Done);
-    let out = shotfleet(&server.url(), &["cancel", "--project", "cx", "nope"]).await;
+    assert_eq!(last_outcome(js, "cx", "cx-q2").await.status, ResultStatus::Done);
+    let out = shotfleet(&fleet.url(), &["cancel", "--project", "cx", "nope"]).await;
     assert_eq!(out.status.code(), Some(1), "{}", text(&out));
     assert!(text(&out).contains("unknown"), "{}", text(&out));
 }

@@ -2,12 +2,16 @@
 //! `deploy/grafana/shotfleet.json` names metrics the worker's `/metrics` exports, with the labels
 //! the query selects or groups by (a typo would leave a panel empty).
 
+#[path = "seeing.rs"]
+mod seeing;
+
 use std::collections::{BTreeSet, HashMap};
 use std::time::Duration;
 
 use shotfleet_schema::Priority;
-use shotfleet_testkit::{NatsServer, paths};
-use shotfleet_tests::{Worker, WorkerSpec, job, jetstream_with, outcomes, shot, submit};
+use seeing::OneWorker;
+use shotfleet_testkit::paths;
+use shotfleet_tests::{job, outcomes, shot, submit};
 
 /// Metric names in the exposition, with the labels each carries.
 fn exposition(text: &str) -> HashMap<String, BTreeSet<String>> {
@@ -52,15 +56,13 @@ fn grouped_by(expr: &str) -> Vec<String> {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn every_dashboard_query_names_metrics_the_worker_exports() {
-    let server = NatsServer::start();
-    let js = jetstream_with(&server.url(), &Default::default()).await;
-    let store = tempfile::tempdir().unwrap();
-    let worker = Worker::start(&server.url(), WorkerSpec::new("w1", store.path()));
+    let fleet = OneWorker::start().await;
+    let js = &fleet.js;
     let shots: Vec<_> = (1..=3).map(|n| shot(Priority::P1, job(&format!("db-{n}"), "db", (64, 64), 2, 1))).collect();
-    submit(&js, &shots).await;
-    outcomes(&js, &shots, Duration::from_secs(60)).await;
+    submit(js, &shots).await;
+    outcomes(js, &shots, Duration::from_secs(60)).await;
     tokio::time::sleep(Duration::from_millis(500)).await;
-    let exported = exposition(&worker.metrics());
+    let exported = exposition(&fleet.worker.metrics());
 
     let dashboard: serde_json::Value =
         serde_json::from_slice(&std::fs::read(paths::repo_root().join("deploy/grafana/shotfleet.json")).unwrap()).unwrap();

@@ -9,12 +9,11 @@ mod seeing;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use seeing::{shotfleet, text};
+use seeing::{OneWorker, shotfleet, text};
 use shotfleet_schema::{Degrade, Lora, Original, Priority};
-use shotfleet_testkit::NatsServer;
 use shotfleet_testkit::ports::free_port;
 use shotfleet_testkit::process::{Guarded, http_get};
-use shotfleet_tests::{Worker, WorkerSpec, binary, job, jetstream_with, outcomes, shot, submit};
+use shotfleet_tests::{binary, job, outcomes, shot, submit};
 
 /// The distribution's Chromium, if installed.
 fn chromium() -> Option<PathBuf> {
@@ -69,10 +68,8 @@ async fn the_contact_sheet_loads_in_a_browser_with_every_image_and_mark() {
         eprintln!("SKIPPED: no chromium on this machine (scripts/setup.sh installs Debian's `chromium` where apt-get runs as root)");
         return;
     };
-    let server = NatsServer::start();
-    let js = jetstream_with(&server.url(), &Default::default()).await;
-    let store = tempfile::tempdir().unwrap();
-    let _worker = Worker::start(&server.url(), WorkerSpec::new("w1", store.path()));
+    let fleet = OneWorker::start().await;
+    let (js, store) = (&fleet.js, &fleet.store);
 
     let mut degraded = job("gy-s03", "gy", (64, 64), 2, 1);
     degraded.degrade = Some(Degrade { level: 1, from: Original { width: 128, height: 128, steps: 2 } });
@@ -86,14 +83,14 @@ async fn the_contact_sheet_loads_in_a_browser_with_every_image_and_mark() {
         shot(Priority::P1, failed),
         shot(Priority::P1, stuck),
     ];
-    submit(&js, &shots).await;
-    let out = shotfleet(&server.url(), &["cancel", "--project", "gy", "gy-s05"]).await;
+    submit(js, &shots).await;
+    let out = shotfleet(&fleet.url(), &["cancel", "--project", "gy", "gy-s05"]).await;
     assert!(out.status.success(), "{}", text(&out));
-    outcomes(&js, &shots, Duration::from_secs(60)).await;
+    outcomes(js, &shots, Duration::from_secs(60)).await;
 
     let out_dir = tempfile::tempdir().unwrap();
     let store_url = format!("file://{}", store.path().display());
-    let out = shotfleet(&server.url(), &["gallery", "--project", "gy", "--store", &store_url, "--out", out_dir.path().to_str().unwrap()]).await;
+    let out = shotfleet(&fleet.url(), &["gallery", "--project", "gy", "--store", &store_url, "--out", out_dir.path().to_str().unwrap()]).await;
     assert!(out.status.success(), "{}", text(&out));
     let page = out_dir.path().join("index.html");
     let html = std::fs::read_to_string(&page).unwrap();
@@ -118,20 +115,18 @@ async fn the_contact_sheet_loads_in_a_browser_with_every_image_and_mark() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn the_served_sheet_shows_results_that_arrive_later() {
-    let server = NatsServer::start();
-    let js = jetstream_with(&server.url(), &Default::default()).await;
-    let store = tempfile::tempdir().unwrap();
-    let _worker = Worker::start(&server.url(), WorkerSpec::new("w1", store.path()));
+    let fleet = OneWorker::start().await;
+    let (js, store) = (&fleet.js, &fleet.store);
     let first = vec![shot(Priority::P1, job("gs-s01", "gs", (64, 64), 2, 1))];
-    submit(&js, &first).await;
-    outcomes(&js, &first, Duration::from_secs(60)).await;
+    submit(js, &first).await;
+    outcomes(js, &first, Duration::from_secs(60)).await;
 
     let port = free_port();
     let mut command = std::process::Command::new(binary("shotfleet"));
     command
         .args(["gallery", "--project", "gs", "--serve", "--listen", &format!("127.0.0.1:{port}")])
         .args(["--store", &format!("file://{}", store.path().display())])
-        .env("NATS_URL", server.url());
+        .env("NATS_URL", fleet.url());
     let _serving = Guarded::spawn(command).unwrap();
     let page = |deadline: Instant, wanted: &str| loop {
         if let Some((200, body)) = http_get(port, "/")
@@ -145,8 +140,8 @@ async fn the_served_sheet_shows_results_that_arrive_later() {
     let body = page(Instant::now() + Duration::from_secs(30), "gs-s01");
     assert!(body.contains("EventSource('events')"), "a served page reloads itself");
     let later = vec![shot(Priority::P1, job("gs-s02", "gs", (64, 64), 2, 1))];
-    submit(&js, &later).await;
-    outcomes(&js, &later, Duration::from_secs(60)).await;
+    submit(js, &later).await;
+    outcomes(js, &later, Duration::from_secs(60)).await;
     let body = page(Instant::now() + Duration::from_secs(30), "gs-s02");
     assert_eq!(body.matches("<img ").count(), 2, "{body}");
 }

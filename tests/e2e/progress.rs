@@ -9,27 +9,25 @@ mod seeing;
 use std::io::BufRead as _;
 use std::time::Duration;
 
-use seeing::{shotfleet, text};
+use seeing::{OneWorker, shotfleet, text};
 use shotfleet_schema::Priority;
-use shotfleet_testkit::{NatsServer, paths};
-use shotfleet_tests::{Worker, WorkerSpec, binary, job, jetstream_with, shot, submit};
+use shotfleet_testkit::paths;
+use shotfleet_tests::{binary, job, shot, submit};
 
 #[tokio::test(flavor = "multi_thread")]
 async fn python_follows_a_job_from_taken_to_settled() {
-    let server = NatsServer::start();
-    let js = jetstream_with(&server.url(), &Default::default()).await;
-    let store = tempfile::tempdir().unwrap();
-    let _worker = Worker::start(&server.url(), WorkerSpec::new("w1", store.path()));
+    let fleet = OneWorker::start().await;
+    let js = &fleet.js;
 
     let script = paths::repo_root().join("tests/python/follow_progress.py");
     let mut follower = std::process::Command::new(paths::require(paths::python(), "the venv's python"))
-        .args([script.to_str().unwrap(), &server.url(), "pp", "pp-1"])
+        .args([script.to_str().unwrap(), &fleet.url(), "pp", "pp-1"])
         .stdout(std::process::Stdio::piped())
         .spawn()
         .unwrap();
     let mut lines = std::io::BufReader::new(follower.stdout.take().unwrap()).lines();
     assert_eq!(lines.next().unwrap().unwrap(), "ready");
-    submit(&js, &[shot(Priority::P1, job("pp-1", "pp", (128, 128), 60, 2))]).await;
+    submit(js, &[shot(Priority::P1, job("pp-1", "pp", (128, 128), 60, 2))]).await;
     let events: Vec<String> = tokio::task::spawn_blocking(move || lines.map_while(Result::ok).collect()).await.unwrap();
     assert!(follower.wait().unwrap().success(), "{events:?}");
     assert!(events.first().is_some_and(|e| e.starts_with("taken w1 step 0/60 images 0/2")), "{events:?}");
@@ -56,16 +54,13 @@ async fn python_follows_a_job_from_taken_to_settled() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn submit_wait_shows_holders_steps_and_queue_positions() {
-    let server = NatsServer::start();
-    let _js = jetstream_with(&server.url(), &Default::default()).await;
-    let store = tempfile::tempdir().unwrap();
-    let _worker = Worker::start(&server.url(), WorkerSpec::new("w1", store.path()));
+    let fleet = OneWorker::start().await;
     let board = tempfile::NamedTempFile::with_suffix(".jsonl").unwrap();
     let lines: Vec<String> = (1..=6)
         .map(|n| serde_json::to_string(&job(&format!("sw-{n}"), "sw", (128, 128), 40, 2)).unwrap())
         .collect();
     std::fs::write(board.path(), lines.join("\n")).unwrap();
-    let out = shotfleet(&server.url(), &["submit", board.path().to_str().unwrap(), "--wait", "--timeout", "3m"]).await;
+    let out = shotfleet(&fleet.url(), &["submit", board.path().to_str().unwrap(), "--wait", "--timeout", "3m"]).await;
     let said = text(&out);
     assert!(out.status.success(), "{said}");
     assert!(said.contains("sw-1: taken by w1"), "{said}");
@@ -77,14 +72,12 @@ async fn submit_wait_shows_holders_steps_and_queue_positions() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn status_names_live_workers_and_classes_nobody_serves() {
-    let server = NatsServer::start();
-    let js = jetstream_with(&server.url(), &Default::default()).await;
-    let store = tempfile::tempdir().unwrap();
-    let _worker = Worker::start(&server.url(), WorkerSpec::new("w1", store.path()));
+    let fleet = OneWorker::start().await;
+    let js = &fleet.js;
     // A small fleet (xs and s) and a job labelled xl: it would wait forever, silently.
-    submit(&js, &[shot(Priority::P1, job("big-1", "st", (1600, 1600), 1, 1))]).await;
+    submit(js, &[shot(Priority::P1, job("big-1", "st", (1600, 1600), 1, 1))]).await;
 
-    let out = shotfleet(&server.url(), &["status"]).await;
+    let out = shotfleet(&fleet.url(), &["status"]).await;
     let said = text(&out);
     assert!(out.status.success(), "{said}");
     assert!(said.contains("w1") && said.contains("xs,s"), "{said}");
@@ -93,7 +86,7 @@ async fn status_names_live_workers_and_classes_nobody_serves() {
     // --watch off a terminal: one frame a second until interrupted.
     let mut watch = tokio::process::Command::new(binary("shotfleet"))
         .args(["status", "--watch"])
-        .env("NATS_URL", server.url())
+        .env("NATS_URL", fleet.url())
         .stdout(std::process::Stdio::piped())
         .kill_on_drop(true)
         .spawn()

@@ -53,3 +53,25 @@ pub async fn wait_for(events: &mut tokio::sync::mpsc::UnboundedReceiver<ShotProg
     .await
     .unwrap_or_else(|_| panic!("no {kind:?} event of {job} within a minute"))
 }
+
+/// A nats-server with the topology, a folder store and one worker (`w1`, classes xs and s).
+pub struct OneWorker {
+    pub server: shotfleet_testkit::NatsServer,
+    pub js: async_nats::jetstream::Context,
+    pub store: tempfile::TempDir,
+    pub worker: shotfleet_tests::Worker,
+}
+
+impl OneWorker {
+    pub async fn start() -> Self {
+        let server = shotfleet_testkit::NatsServer::start();
+        let js = shotfleet_tests::jetstream_with(&server.url(), &Default::default()).await;
+        let store = tempfile::tempdir().expect("store folder");
+        let worker = shotfleet_tests::Worker::start(&server.url(), shotfleet_tests::WorkerSpec::new("w1", store.path()));
+        Self { server, js, store, worker }
+    }
+
+    pub fn url(&self) -> String {
+        self.server.url()
+    }
+}

@@ -134,3 +134,22 @@ pub fn callback(steps: &[Steps]) -> impl FnMut(StepProgress) -> ControlFlow<()> 
         ControlFlow::Continue(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_group_member_sees_its_own_images() {
+        let (tx, rx) = watch::channel(None);
+        // Members of 2, 3 and 1 images; this is the second, rendered in sub-batches of 4.
+        let steps = Steps { tx, offset: 0, images: None }.in_group(2, 3);
+        let step = |images_done, images| StepProgress { step: 5, steps: 20, images, images_done };
+        steps.report(step(0, 4));
+        assert_eq!(*rx.borrow(), Some(StepProgress { step: 5, steps: 20, images: 3, images_done: 0 }));
+        steps.report(step(4, 2));
+        assert_eq!(rx.borrow().map(|s| (s.images_done, s.images)), Some((2, 1)), "2 of its 3 done, 1 in this sub-batch");
+        steps.report(step(6, 0));
+        assert_eq!(rx.borrow().map(|s| s.images_done), Some(3), "never more than its own");
+    }
+}

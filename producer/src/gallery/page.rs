@@ -34,10 +34,10 @@ pub fn render(project: &str, cards: &[Card], live: bool) -> String {
 
 fn card_html(html: &mut String, card: &Card) {
     let status = card.status.as_str();
-    let _ = write!(html, "<article class=\"card {status}\" data-status=\"{status}\" data-job=\"{}\">\n", escape(&card.job_id));
-    let _ = write!(html, "<h2><span class=\"shot\">{}</span> <span class=\"job\">{}</span></h2>\n", escape(&card.shot_id), escape(&card.job_id));
+    let _ = writeln!(html, "<article class=\"card {status}\" data-status=\"{status}\" data-job=\"{}\">", escape(&card.job_id));
+    let _ = writeln!(html, "<h2><span class=\"shot\">{}</span> <span class=\"job\">{}</span></h2>", escape(&card.shot_id), escape(&card.job_id));
     if let Some(mark) = mark(card) {
-        let _ = write!(html, "<p class=\"mark\">{}</p>\n", escape(&mark));
+        let _ = writeln!(html, "<p class=\"mark\">{}</p>", escape(&mark));
     }
     html.push_str("<div class=\"images\">");
     for (index, thumb) in card.thumbs.iter().enumerate() {
@@ -159,3 +159,22 @@ dl{display:grid;grid-template-columns:auto 1fr;gap:2px 8px;margin:8px 0 0;font-s
 .cancelled{opacity:.45;filter:grayscale(1)}.cancelled .mark{background:#e6e6e6;color:#555}\
 .waiting{border-style:dashed;border-color:#aaa}.waiting .mark{background:#eef;color:#446}\
 .missing{color:#8e1b1b;font-size:12px}";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn text_from_a_storyboard_cannot_become_markup() {
+        assert_eq!(escape(r#"<img src=x onerror="a('b')"> & co"#), "&lt;img src=x onerror=&quot;a(&#39;b&#39;)&quot;&gt; &amp; co");
+    }
+
+    #[test]
+    fn a_waiting_shot_is_marked_and_counted() {
+        let card = Card { job_id: "j1".into(), shot_id: "s1".into(), status: Status::Waiting, result: None, job: None, thumbs: vec![] };
+        let html = render("tide <ep1>", &[card], false);
+        assert!(html.contains("<title>tide &lt;ep1&gt; · shotfleet</title>"));
+        assert!(html.contains("1 waiting") && html.contains("data-status=\"waiting\"") && html.contains("waiting for a worker"));
+        assert!(!html.contains("<script>"), "a written page has no script");
+    }
+}
