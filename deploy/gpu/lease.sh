@@ -21,6 +21,7 @@
 #   unet            optimize-wait, then onnx/bench_unet.py -> unet.json
 #   fleet-speed     optimize-wait, then `deploy/gpu/fleet.sh speed` (binaries from .gpu/bin) -> fleet-speed.json
 #   fleet-budget    optimize-wait, then `deploy/gpu/fleet.sh budget` -> budget.json, budget-check.jsonl, budget-check-ws.jsonl
+#   fleet-see       optimize-wait, then `deploy/gpu/fleet.sh see` (issue 16) -> see-the-work.json
 #   fleet           fleet-speed, then fleet-budget
 #   report          deploy/gpu/report.py over /root/results -> report.md, report.json, results.tar.gz
 #
@@ -355,6 +356,7 @@ run_stage() {
         unet) stage_unet || rc=$? ;;
         fleet-speed) stage_fleet speed || rc=$? ;;
         fleet-budget) stage_fleet budget || rc=$? ;;
+        fleet-see) stage_fleet see || rc=$? ;;
         fleet) { stage_fleet speed && stage_fleet budget; } || rc=$? ;;
         report) stage_report || rc=$? ;;
         *) echo "unknown stage: $name" >&2; rc=2 ;;

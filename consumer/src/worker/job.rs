@@ -73,6 +73,9 @@ pub(crate) async fn finish(shared: &Shared, taken: &Taken, handled: Handled) {
         _ => None,
     };
     let outcome = settle(shared, &taken.held(), handled).await;
+    if outcome == JobOutcome::Cancelled {
+        info!(job = taken.job.as_ref().map_or("?", |j| j.job_id.as_str()), rendering = taken.reporter.is_some(), "cancelled: its work stopped, its uploads swept");
+    }
     if let Some(reporter) = &taken.reporter {
         let (event, detail) = match outcome {
             JobOutcome::Nak => (ProgressEvent::Queued, detail),
