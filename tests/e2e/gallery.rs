@@ -9,11 +9,12 @@ mod seeing;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use seeing::{OneWorker, shotfleet, text};
+use seeing::{OneWorker, shotfleet, shotfleet_with, text};
 use shotfleet_schema::{Degrade, Lora, Original, Priority};
+use shotfleet_testkit::S3Server;
 use shotfleet_testkit::ports::free_port;
 use shotfleet_testkit::process::{Guarded, http_get};
-use shotfleet_tests::{binary, job, outcomes, shot, submit};
+use shotfleet_tests::{Worker, WorkerSpec, binary, job, jetstream_with, outcomes, shot, submit};
 
 /// The distribution's Chromium, if installed.
 fn chromium() -> Option<PathBuf> {
@@ -144,4 +145,34 @@ async fn the_served_sheet_shows_results_that_arrive_later() {
     outcomes(js, &later, Duration::from_secs(60)).await;
     let body = page(Instant::now() + Duration::from_secs(30), "gs-s02");
     assert_eq!(body.matches("<img ").count(), 2, "{body}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_sheet_reads_images_from_an_s3_store_with_the_workers_url() {
+    let s3 = S3Server::start();
+    s3.create_bucket("sheets");
+    let server = shotfleet_testkit::NatsServer::start();
+    let js = jetstream_with(&server.url(), &Default::default()).await;
+    let mut env: Vec<(String, String)> = S3Server::credentials().iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect();
+    env.push(("AWS_ENDPOINT_URL".into(), s3.endpoint()));
+    let dir = tempfile::tempdir().unwrap();
+    let mut spec = WorkerSpec::new("w-s3", dir.path());
+    spec.store_url = "s3://sheets/renders".into();
+    spec.env = env.clone();
+    let _worker = Worker::start(&server.url(), spec);
+    let shots = vec![shot(Priority::P1, job("s3-s01", "s3p", (64, 64), 2, 2))];
+    submit(&js, &shots).await;
+    outcomes(&js, &shots, Duration::from_secs(60)).await;
+
+    env.push(("AWS_ALLOW_HTTP".into(), "true".into()));
+    let out_dir = dir.path().join("sheet");
+    let args = ["gallery", "--project", "s3p", "--store", "s3://sheets/renders", "--out", out_dir.to_str().unwrap()];
+    let out = shotfleet_with(&server.url(), &env, &args).await;
+    assert!(out.status.success(), "{}", text(&out));
+    let html = std::fs::read_to_string(out_dir.join("index.html")).unwrap();
+    assert_eq!(html.matches("src=\"data:image/jpeg;base64,").count(), 2, "{html}");
+    // A URL with credentials in it is refused, naming where they go instead.
+    let out = shotfleet_with(&server.url(), &env, &["gallery", "--project", "s3p", "--store", "s3://key:secret@sheets/renders"]).await;
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    assert!(text(&out).contains("AWS_ACCESS_KEY_ID") && !text(&out).contains("secret@"), "{}", text(&out));
 }

@@ -12,11 +12,16 @@ use shotfleet_tests::binary;
 
 /// Runs `shotfleet ARGS` against `url`, output captured (so not on a terminal).
 pub async fn shotfleet(url: &str, args: &[&str]) -> Output {
+    shotfleet_with(url, &[], args).await
+}
+
+/// [`shotfleet`] with more environment.
+pub async fn shotfleet_with(url: &str, env: &[(String, String)], args: &[&str]) -> Output {
     let mut command = tokio::process::Command::new(binary("shotfleet"));
     for (name, _) in std::env::vars().filter(|(name, _)| name.starts_with("NATS_") || name.starts_with("SHOTFLEET_")) {
         command.env_remove(name);
     }
-    command.args(args).env("NATS_URL", url).output().await.expect("run shotfleet")
+    command.args(args).env("NATS_URL", url).envs(env.iter().cloned()).output().await.expect("run shotfleet")
 }
 
 /// Stdout and stderr of a run, for assertions and their messages.

@@ -26,6 +26,16 @@ impl std::fmt::Debug for ImageStore {
     }
 }
 
+/// `url` with any user information of its authority (`s3://key:secret@bucket`) replaced by `***`.
+fn redact(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else { return url.to_owned() };
+    let authority_end = rest.find('/').unwrap_or(rest.len());
+    match rest[..authority_end].rsplit_once('@') {
+        Some((_, host)) => format!("{scheme}://***@{host}{}", &rest[authority_end..]),
+        None => url.to_owned(),
+    }
+}
+
 impl ImageStore {
     /// Opens the store at `url`, taking S3 settings from `env` (pass `std::env::vars()`).
     ///
@@ -34,8 +44,10 @@ impl ImageStore {
     /// credentials written into the URL.
     pub fn open(url: &str, env: impl IntoIterator<Item = (String, String)>) -> Result<Self, String> {
         let expected = "expected file:///folder or s3://bucket/prefix, the URL the workers write to (SHOTFLEET_STORE)";
+        // Never echo what may be a secret written into the URL.
+        let url = &redact(url);
         let parsed = Url::parse(url).map_err(|e| format!("store `{url}`: {e}; {expected}"))?;
-        if !parsed.username().is_empty() || parsed.password().is_some() {
+        if url.contains("***@") {
             return Err("the store URL holds credentials: give them in the environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY)".into());
         }
         let inner: Arc<dyn ObjectStore> = match parsed.scheme() {
@@ -74,5 +86,19 @@ impl ImageStore {
         let path = Path::parse(key).map_err(|e| format!("`{key}` is not an object key: {e}"))?;
         let object = self.inner.get(&path).await.map_err(|e| format!("cannot read {key}: {e}"))?;
         Ok(object.bytes().await.map_err(|e| format!("cannot read {key}: {e}"))?.to_vec())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn credentials_in_a_url_are_refused_and_never_shown() {
+        let err = ImageStore::open("s3://key:secret@sheets/renders", Vec::new()).unwrap_err();
+        assert!(err.contains("AWS_ACCESS_KEY_ID") && !err.contains("secret"), "{err}");
+        assert_eq!(redact("file:///srv/a@b/images"), "file:///srv/a@b/images", "an @ in a folder is no user");
+        assert!(ImageStore::open("ftp://host/x", Vec::new()).unwrap_err().contains("unknown scheme `ftp`"));
+        assert!(ImageStore::open("file://relative/x", Vec::new()).unwrap_err().contains("absolute"));
     }
 }
