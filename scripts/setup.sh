@@ -22,3 +22,11 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     "$venv/bin/python" -m pip install --quiet --disable-pip-version-check -r "$req"
     echo "$want" >"$stamp"
 fi
+# The gallery's browser test loads the page in the distribution's Chromium (no browser download
+# at test time); where it cannot be installed, that test says so and skips.
+if ! command -v chromium >/dev/null && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    echo "setup: installing chromium (the gallery's browser test)"
+    if ! { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }; then
+        echo "setup: could not install chromium; the gallery's browser test will be skipped" >&2
+    fi
+fi

@@ -3,7 +3,7 @@
 # `lease.sh fleet-budget`): shotfleet-consumer on the GPU with the exported SDXL, fed through a
 # local NATS JetStream, one worker process per run, each with its own config.
 #
-#   bash deploy/gpu/fleet.sh speed|budget|small  (from the repository root; lease.sh sets the variables)
+#   bash deploy/gpu/fleet.sh speed|budget|small|see  (from the repository root; lease.sh sets the variables)
 #   FLEET_DEVICE=cpu FLEET_MODEL=onnx/tiny/model bash deploy/gpu/fleet.sh speed   (a dry run on the CPU)
 #
 # speed -> $RESULTS/fleet-speed.json. Runs, in this order (the deadline trims from the end; a run
@@ -20,6 +20,13 @@
 #   c1-stock   concurrency 1, no [cuda.*] table (ONNX Runtime's defaults); 16 x 1
 # All SPEED_SIZE x SPEED_SIZE (1024), SPEED_STEPS (30) steps, guidance 5, submitted at once with
 # `shotfleet submit FILE --wait`, gpu_sampler.py around each set.
+#
+# see -> $RESULTS/see-the-work.json (issue 16; deploy/gpu/see_summary.py): one worker (TUNED); a
+#   long job (SEE_SIZE 1024, SEE_IMAGES 4 images, SEE_STEPS 50 steps) and two 1-image jobs behind
+#   it, submitted with `submit --wait` (its progress lines, queue positions), `status --watch
+#   --project see` beside it; once the long job is past step SEE_CANCEL_AT (10), `shotfleet cancel`
+#   of it and of the first job behind it: how long until the fleet answered and until the render
+#   stopped (the worker's "cancelled" line); the last job must still render; /metrics in full.
 #
 # budget -> $RESULTS/budget.json, $RESULTS/budget-check*.jsonl (in the order mixed, oom, check, check-ws,
 # check-nopattern):
@@ -62,7 +69,7 @@ T0=$SECONDS
 export PYTHONUNBUFFERED=1
 
 STAGE=${1:-}
-case "$STAGE" in speed|budget|small) ;; *) sed -n '2,/^set -uo/p' "$0" | sed '$d'; exit 2 ;; esac
+case "$STAGE" in speed|budget|small|see) ;; *) sed -n '2,/^set -uo/p' "$0" | sed '$d'; exit 2 ;; esac
 DEVICE=${FLEET_DEVICE:-${SHOTFLEET_DEVICE:-cuda}}
 case "$DEVICE" in cuda|cpu) ;; *) echo "FLEET_DEVICE must be cuda or cpu, not $DEVICE" >&2; exit 2 ;; esac
 MODEL=${FLEET_MODEL:-${MODEL_DIR:-/root/sdxl}}
@@ -93,6 +100,7 @@ case "$STAGE" in
     speed) RUNS=,${FLEET_RUNS:-c1-tuned,c1-capped,c1-keep,c2-tuned,c2-batch4,c2-batch4-capped,c2-batch4-keep,c1-graph,c1-best,c1-stock}, ;;
     budget) RUNS=,${FLEET_RUNS:-mixed,oom,check,check-ws,check-nopattern}, ;;
     small) RUNS=,${FLEET_RUNS:-cards,pair,long}, ;;
+    see) RUNS=,see, ;;
 esac
 RESULTS=${RESULTS:-$WORK/results}
 OUT=${OUT:-$RESULTS}
@@ -346,6 +354,64 @@ stage_budget() {
 # shellcheck source=deploy/gpu/fleet-small.sh
 source "$REPO/deploy/gpu/fleet-small.sh"
 
+# --- see: progress, cancel mid-render, status --watch, metrics (issue 16) ------------------------
+see_jobs() {  # FILE: the long job, then two behind it
+    python3 - "$1" "$(px "${SEE_SIZE:-1024}")" "${SEE_IMAGES:-4}" "${SEE_STEPS:-50}" << 'EOF'
+import json, sys
+path, side, images, steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+def job(job_id, n, s):
+    return {"job_id": job_id, "project": "see", "shot_id": job_id.split("-", 1)[1], "priority": "p1",
+            "prompt": "a lighthouse keeper at dawn, ink wash", "width": side, "height": side,
+            "steps": s, "guidance": 5.0, "seed": 7, "images": n}
+with open(path, "w") as f:
+    for j in (job("see-long", images, steps), job("see-q1", 1, 20), job("see-q2", 1, 20)):
+        f.write(json.dumps(j) + "\n")
+EOF
+}
+
+see_step_reached() {  # WATCH_FILE STEP: status --watch printed the long job past STEP
+    python3 - "$1" "$2" << 'EOF'
+import re, sys
+steps = [int(m) for m in re.findall(r"see/see-long step (\d+)/", open(sys.argv[1], errors="replace").read())]
+sys.exit(0 if steps and max(steps) >= int(sys.argv[2]) else 1)
+EOF
+}
+
+stage_see() {
+    local name=see at=${SEE_CANCEL_AT:-10} watch submit until rc=0
+    wanted "$name" || return 0
+    if run_begin "$name" "progress, cancel mid-render, status --watch, metrics"; then
+        write_config "$WORK/see.toml" "" "$(calibration 512x512x1,1024x1024x1)"$'\n\n'"$TUNED"
+        if worker_start "$WORK/see.toml"; then
+            see_jobs "$RUN_DIR/jobs-see.jsonl"
+            "$BIN_DIR/shotfleet" status --watch --project see > "$RUN_DIR/status-watch.txt" 2>&1 < /dev/null &
+            watch=$!
+            meta submit_begin "$(now)"
+            "$BIN_DIR/shotfleet" submit "$RUN_DIR/jobs-see.jsonl" --wait --timeout "$(($(left) - STOP_S - 20))s" \
+                > "$RUN_DIR/submit-see.txt" 2>&1 < /dev/null &
+            submit=$!
+            until=$((SECONDS + 180))
+            until see_step_reached "$RUN_DIR/status-watch.txt" "$at"; do
+                if [ "$SECONDS" -ge "$until" ] || ! worker_alive; then meta error "see-long never reached step $at"; break; fi
+                sleep 0.2
+            done
+            meta cancel_begin "$(now)"
+            "$BIN_DIR/shotfleet" cancel --project see --by fleet.sh see-long see-q1 > "$RUN_DIR/cancel.txt" 2>&1 < /dev/null || rc=$?
+            meta cancel_answered "$(now)"
+            meta cancel_rc "$rc"
+            cat "$RUN_DIR/cancel.txt"
+            wait "$submit" || meta submit_rc $?
+            meta submit_end "$(now)"
+            stop_pid "$watch" TERM 3
+            python3 -c 'import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1], timeout=3).read().decode())' \
+                "http://$METRICS_ADDR/metrics" > "$RUN_DIR/metrics-full.txt" 2>&1
+            tail -n 6 "$RUN_DIR/submit-see.txt"
+        fi
+    fi
+    run_end
+    python3 "$REPO/deploy/gpu/see_summary.py" "$RUN_DIR" "$RESULTS/see-the-work.json" || stage_meta error "the see summary failed"
+}
+
 # --- the end: stop everything, summarize, copy to $OUT -----------------------------------------
 # shellcheck disable=SC2317,SC2329 # called by the EXIT trap
 finish() {
@@ -356,9 +422,14 @@ finish() {
     [ "$rc" = 0 ] || stage_meta rc "$rc"
     local json=$RESULTS/fleet-speed.json
     [ "$STAGE" = budget ] && json=$RESULTS/budget.json
-    [ "$STAGE" = small ] && json=$RESULTS/small.json
-    python3 "$REPO/deploy/gpu/fleet_summary.py" "$STAGE" "$STAGE_DIR" --out "$json" \
-        --digest "$OUT/fleet-$STAGE.txt" || echo "the summary failed" >&2
+    if [ "$STAGE" = see ]; then
+        json=$RESULTS/see-the-work.json
+        tar czf "$OUT/see-the-work.tar.gz" -C "$STAGE_DIR" . 2> /dev/null
+    else
+        [ "$STAGE" = small ] && json=$RESULTS/small.json
+        python3 "$REPO/deploy/gpu/fleet_summary.py" "$STAGE" "$STAGE_DIR" --out "$json" \
+            --digest "$OUT/fleet-$STAGE.txt" || echo "the summary failed" >&2
+    fi
     cp "$json" "$OUT/" 2> /dev/null
     [ "$STAGE" = budget ] && cp "$RESULTS"/budget-check*.jsonl "$OUT/" 2> /dev/null
     log "wrote $json (exit $rc)"
@@ -387,6 +458,7 @@ case "$STAGE" in
     speed) stage_speed ;;
     budget) stage_budget ;;
     small) stage_small ;;
+    see) stage_see ;;
 esac
 log "stage $STAGE done"
 exit 0

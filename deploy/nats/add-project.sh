@@ -9,7 +9,8 @@
 #
 # The producer may publish jobs of this project only, read this project's results and failed
 # records (for `submit --wait`), read stream and consumer info (`status`), follow its progress
-# events and cancel its jobs; nothing else of $JS.API. Its client sets the inbox prefix
+# events, cancel its jobs and ping the workers (their state, no job of another project); nothing
+# else of $JS.API. Its client sets the inbox prefix
 # _INBOX_producer-<project> (--inbox-prefix, NATS_INBOX_PREFIX): it may not read other inboxes.
 set -euo pipefail
 project="${1:?usage: add-project.sh PROJECT [NKEY_PUBLIC_KEY]}"
@@ -33,7 +34,7 @@ cat <<ENTRY
       # producer of project $project (deploy/nats/add-project.sh $project)
       { $who, permissions: {
           publish: { allow: [
-            "shots.p0.*.$project", "shots.p1.*.$project", "shots.p2.*.$project", "shots.cancel.$project.>",
+            "shots.p0.*.$project", "shots.p1.*.$project", "shots.p2.*.$project", "shots.cancel.$project.>", "shots.workers.ping",
             "\$JS.API.STREAM.INFO.SHOTS", "\$JS.API.STREAM.INFO.SHOT_RESULTS", "\$JS.API.STREAM.INFO.SHOTS_FAILED",
             "\$JS.API.CONSUMER.INFO.SHOTS.*",
             "\$JS.API.CONSUMER.CREATE.SHOT_RESULTS.*.shots.done.$project.*",

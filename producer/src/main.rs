@@ -1,9 +1,9 @@
 //! `shotfleet`: set up the topology, submit storyboards, wait for them, show the queues, replay
-//! failed jobs.
+//! failed jobs, cancel jobs, and make a project's contact sheet.
 //!
-//! Exit codes: 0 success; 1 some jobs failed (with `--wait`), or some failed records could not be
-//! replayed; 2 bad input (the file, flags, connection settings); 3 NATS unreachable or the server
-//! refused.
+//! Exit codes: 0 success; 1 some jobs failed (with `--wait`), some failed records could not be
+//! replayed, or some jobs to cancel are unknown or could not be cancelled; 2 bad input (the file,
+//! flags, connection settings); 3 NATS unreachable, the server refused, or no worker answered.
 
 use std::io::IsTerminal;
 use std::path::PathBuf;
@@ -14,7 +14,7 @@ use anyhow::Context as _;
 use clap::{Args, Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 use shotfleet_producer::wait::{Awaited, Outcome};
-use shotfleet_producer::{grouping, lora, replay, status, storyboard, submit, wait};
+use shotfleet_producer::{cancel, fleet, gallery, grouping, live, lora, replay, status, storyboard, submit, wait, watch};
 use shotfleet_schema::encoding::ContentType;
 use shotfleet_schema::failure::FailureReason;
 use shotfleet_schema::nats::{NatsArgs, NatsOptions, Topology};
@@ -35,8 +35,13 @@ enum Command {
     Setup(SetupArgs),
     /// Publish a storyboard (JSON Lines or CSV), one job a line.
     Submit(SubmitArgs),
-    /// Pending, in-progress and oldest job per priority and class; failed records.
-    Status,
+    /// Pending, in-progress and oldest job per priority and class; failed records; live workers.
+    Status(StatusArgs),
+    /// Cancel jobs: queued ones are removed, running ones stop at their next step.
+    #[command(after_long_help = CANCEL_HELP)]
+    Cancel(CancelArgs),
+    /// A project's contact sheet: one HTML page of its shots (thumbnails, parameters, outcome).
+    Gallery(GalleryArgs),
     /// Republish failed jobs from SHOTS_FAILED to their original subjects (--dry-run lists them).
     #[command(after_long_help = REPLAY_HELP)]
     Replay(ReplayArgs),
@@ -98,6 +103,65 @@ payload fails again as invalid.
 A record whose original subject is missing or not a job subject (shots.<prio>.<class>.<project>)
 is kept and reported. Exit code 1 when any matching record could not be replayed.";
 
+const CANCEL_HELP: &str = "\
+Every job named (or, with no JOB, every unfinished job of the project, or of --shot) ends with one
+outcome of status `cancelled` on shots.done.<project>.<job>, so `submit --wait` and every other
+client see it end. A worker of the fleet answers the request: it claims that outcome, removes the
+job's queued copies from SHOTS, and the worker rendering it stops at its next step and deletes what
+it uploaded. A job that already finished is left as it is, and said so.";
+
+#[derive(Args)]
+struct StatusArgs {
+    /// Redraw every second until q or Ctrl-C, with the workers heard of in the last minute.
+    #[arg(long)]
+    watch: bool,
+    /// Follow only this project's progress events (a producer may read no other's).
+    #[arg(long, env = "SHOTFLEET_PROJECT")]
+    project: Option<String>,
+}
+
+#[derive(Args)]
+struct CancelArgs {
+    /// The project of the jobs.
+    #[arg(long, env = "SHOTFLEET_PROJECT")]
+    project: String,
+    /// Jobs to cancel; none: every unfinished job of the project (or of --shot).
+    #[arg(value_name = "JOB")]
+    jobs: Vec<String>,
+    /// Only the jobs of this shot.
+    #[arg(long, conflicts_with = "jobs")]
+    shot: Option<String>,
+    /// Who cancels, as the outcome will say [default: $USER].
+    #[arg(long)]
+    by: Option<String>,
+    /// How long to wait for the fleet's answer.
+    #[arg(long, default_value = "15s", value_parser = parse_duration)]
+    timeout: Duration,
+}
+
+#[derive(Args)]
+struct GalleryArgs {
+    /// The project.
+    #[arg(long, env = "SHOTFLEET_PROJECT")]
+    project: String,
+    /// Folder for index.html [default: gallery-<project>].
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Where the workers store images: file:///folder or s3://bucket/prefix (S3 settings from
+    /// the AWS_* environment).
+    #[arg(long, env = "SHOTFLEET_STORE")]
+    store: String,
+    /// The storyboard: its order, and shots without an outcome yet.
+    #[arg(long)]
+    board: Option<PathBuf>,
+    /// Serve the page on localhost and refresh it as results arrive (Ctrl-C stops).
+    #[arg(long)]
+    serve: bool,
+    /// With --serve: the address (loopback; port 0 picks a free one).
+    #[arg(long, default_value = "127.0.0.1:8470")]
+    listen: std::net::SocketAddr,
+}
+
 /// `setup`'s settings; each left out takes the topology's default (`Topology::default()`).
 #[derive(Args)]
 struct SetupArgs {
@@ -156,7 +220,7 @@ struct SubmitArgs {
     /// Publish the valid lines of a file that has bad ones (by default nothing is published).
     #[arg(long)]
     skip_invalid: bool,
-    /// Wait until every job has a result or a failed record; exit 1 if any failed.
+    /// Wait until every job has an outcome; exit 1 if any failed (cancelled ones do not count).
     #[arg(long)]
     wait: bool,
     /// With --wait: give up after this long (e.g. 30m).
@@ -232,7 +296,9 @@ async fn run(cli: Cli) -> Result<u8, Failure> {
     match cli.command {
         Command::Setup(args) => setup(&options, args).await,
         Command::Submit(args) => submit_file(&options, args).await,
-        Command::Status => show_status(&options).await,
+        Command::Status(args) => show_status(&options, args).await,
+        Command::Cancel(args) => cancel_jobs(&options, args).await,
+        Command::Gallery(args) => make_gallery(&options, args).await,
         Command::Replay(args) => replay_failed(&options, args).await,
         Command::Lora(command) => lora_command(command).await,
     }
@@ -354,9 +420,19 @@ async fn submit_file(options: &NatsOptions, args: SubmitArgs) -> Result<u8, Fail
         max_in_flight: args.max_in_flight,
         content_type: if args.json { ContentType::Json } else { ContentType::MessagePack },
     };
-    let summary = submit::submit(&js, &board.shots, submit_options, |_, _| progress.inc())
-        .await
-        .map_err(server)?;
+    let mut placed = Vec::new();
+    let summary = submit::submit(&js, &board.shots, submit_options, |shot, ack| {
+        progress.inc();
+        placed.push(live::Placed {
+            project: shot.job.project.clone(),
+            job_id: shot.job.job_id.clone(),
+            priority: shot.priority,
+            class: shotfleet_schema::SubjectClass::Class(shot.job.class()),
+            sequence: ack.sequence,
+        });
+    })
+    .await
+    .map_err(server)?;
     progress.finish();
     let rate = summary.queued as f64 / summary.elapsed.as_secs_f64().max(1e-9);
     println!(
@@ -378,19 +454,30 @@ async fn submit_file(options: &NatsOptions, args: SubmitArgs) -> Result<u8, Fail
             duplicate: duplicates.contains(&s.job.job_id),
         })
         .collect();
-    let progress = Progress::new(awaited.len() as u64, "finished");
-    let outcomes = wait::wait(&js, &awaited, since, args.timeout, |_, _| progress.inc())
-        .await
-        .map_err(server)?;
-    progress.finish();
+    // On a terminal the bars say how many finished; elsewhere a line every tenth.
+    let terminal = std::io::stderr().is_terminal();
+    let progress = (!terminal).then(|| Progress::new(awaited.len() as u64, "finished"));
+    let order: std::collections::HashMap<&str, usize> = board.shots.iter().enumerate().map(|(i, s)| (s.job.job_id.as_str(), i)).collect();
+    placed.sort_by_key(|p| order.get(p.job_id.as_str()).copied());
+    let shown = std::sync::Arc::new(std::sync::Mutex::new(live::Live::new(&placed, terminal)));
+    let _following = live::follow(&js, placed, shown.clone()).await.map_err(|e| server(anyhow::anyhow!(e)))?;
+    let outcomes = wait::wait(&js, &awaited, since, args.timeout, |job, outcome| {
+        progress.iter().for_each(Progress::inc);
+        shown.lock().unwrap_or_else(std::sync::PoisonError::into_inner).finished(job, outcome);
+    })
+    .await
+    .map_err(server)?;
+    shown.lock().unwrap_or_else(std::sync::PoisonError::into_inner).finish();
+    progress.iter().for_each(Progress::finish);
     print_table(&board.shots, &outcomes);
-    let failed = outcomes.values().filter(|o| o.is_failed()).count();
+    // A cancelled job ended as someone asked: not a failure.
+    let failed = outcomes.values().filter(|o| matches!(o, Outcome::Failed { reason, .. } if reason != "cancelled")).count();
     Ok(if failed > 0 { 1 } else { 0 })
 }
 
 fn print_table(shots: &[storyboard::Shot], outcomes: &std::collections::HashMap<String, Outcome>) {
     println!("{:<24} {:<12} {:<4} {:<9} {:>6} {:>9}  detail", "job", "shot", "prio", "status", "images", "render_s");
-    let (mut done, mut degraded, mut failed) = (0, 0, 0);
+    let (mut done, mut degraded, mut failed, mut cancelled) = (0, 0, 0, 0);
     for shot in shots {
         let job = &shot.job;
         let (status, images, render, detail) = match outcomes.get(&job.job_id) {
@@ -405,6 +492,10 @@ fn print_table(shots: &[storyboard::Shot], outcomes: &std::collections::HashMap<
                     first,
                 )
             }
+            Some(Outcome::Failed { reason, detail, .. }) if reason == "cancelled" => {
+                cancelled += 1;
+                ("cancelled", "-".into(), "-".into(), detail.clone())
+            }
             Some(Outcome::Failed { reason, detail, .. }) => {
                 failed += 1;
                 ("failed", "-".into(), "-".into(), format!("{reason}: {detail}"))
@@ -413,7 +504,7 @@ fn print_table(shots: &[storyboard::Shot], outcomes: &std::collections::HashMap<
         };
         println!("{:<24} {:<12} {:<4} {:<9} {:>6} {:>9}  {detail}", job.job_id, job.shot_id, shot.priority, status, images, render);
     }
-    println!("{done} done, {degraded} degraded, {failed} failed");
+    println!("{done} done, {degraded} degraded, {failed} failed, {cancelled} cancelled");
     print_waits(shots, outcomes);
 }
 
@@ -446,19 +537,78 @@ fn print_waits(shots: &[storyboard::Shot], outcomes: &std::collections::HashMap<
     }
 }
 
-async fn show_status(options: &NatsOptions) -> Result<u8, Failure> {
+async fn show_status(options: &NatsOptions, args: StatusArgs) -> Result<u8, Failure> {
     let js = connect(options).await?;
-    let status = status::read(&js).await.map_err(|e| server(anyhow::anyhow!(e)))?;
-    println!("{:<18} {:>8} {:>12} {:>12} {:>10}", "consumer", "pending", "in_progress", "redelivered", "oldest");
-    for q in &status.queues {
-        let oldest = q.oldest.map(|d| format!("{:.0}s", d.as_secs_f64())).unwrap_or_else(|| "-".into());
-        println!("{:<18} {:>8} {:>12} {:>12} {:>10}", q.consumer, q.pending, q.in_progress, q.redelivered, oldest);
+    if args.watch {
+        let interactive = std::io::stdout().is_terminal() && std::io::stdin().is_terminal();
+        watch::watch(&js, args.project.as_deref(), interactive).await.map_err(|e| server(anyhow::anyhow!(e)))?;
+        return Ok(0);
     }
-    let failed: u64 = status.failed.iter().map(|(_, n)| n).sum();
-    println!("results: {}   failed: {failed}", status.results);
-    for (subject, n) in &status.failed {
-        println!("  {subject}: {n}");
+    // The pings' answers arrive while the queues are read.
+    let client = js.client();
+    let (status, workers) = tokio::join!(status::read(&js), fleet::ping(&client, Duration::from_secs(1)));
+    let status = status.map_err(|e| server(anyhow::anyhow!(e)))?;
+    let mut seen = fleet::Fleet::default();
+    let now = std::time::Instant::now();
+    for state in workers.map_err(|e| server(anyhow::anyhow!(e)))? {
+        seen.answered(state, now);
     }
+    print!("{}", status::render(&status, &seen, now));
+    Ok(0)
+}
+
+async fn cancel_jobs(options: &NatsOptions, args: CancelArgs) -> Result<u8, Failure> {
+    let selection = cancel::Selection { project: args.project, jobs: args.jobs, shot: args.shot };
+    selection.validate().map_err(|e| bad_input(anyhow::anyhow!(e)))?;
+    let by = args.by.or_else(|| std::env::var("USER").ok()).unwrap_or_else(|| "shotfleet cancel".into());
+    let js = connect(options).await?;
+    let reply = cancel::cancel(&js.client(), &selection, &by, args.timeout).await.map_err(server)?;
+    println!("{:<24} {:<12} {:<17} {:>7}  detail", "job", "shot", "result", "removed");
+    let mut problems = 0;
+    for job in &reply.jobs {
+        let result = match job.result {
+            shotfleet_schema::CancelResult::Cancelled => "cancelled",
+            shotfleet_schema::CancelResult::AlreadyFinished => "already finished",
+            shotfleet_schema::CancelResult::Unknown => "unknown",
+            shotfleet_schema::CancelResult::Failed => "not cancelled",
+        };
+        let status = job.status.map(|s| format!("{s:?}").to_lowercase()).unwrap_or_default();
+        let detail = if matches!(job.result, shotfleet_schema::CancelResult::AlreadyFinished) { format!("{status}: {}", job.detail) } else { job.detail.clone() };
+        println!("{:<24} {:<12} {:<17} {:>7}  {detail}", job.job_id, job.shot_id, result, job.removed);
+        problems += usize::from(matches!(job.result, shotfleet_schema::CancelResult::Unknown | shotfleet_schema::CancelResult::Failed));
+    }
+    let cancelled = reply.jobs.iter().filter(|j| j.result == shotfleet_schema::CancelResult::Cancelled).count();
+    println!("{cancelled} cancelled, {} already finished, {problems} unknown or not cancelled (answered by {})", reply.jobs.len() - cancelled - problems, reply.worker);
+    Ok(if problems > 0 { 1 } else { 0 })
+}
+
+async fn make_gallery(options: &NatsOptions, args: GalleryArgs) -> Result<u8, Failure> {
+    let store = gallery::store::ImageStore::open(&args.store, std::env::vars()).map_err(|e| bad_input(anyhow::anyhow!(e)))?;
+    let board = match &args.board {
+        Some(path) => Some(storyboard::read(path, &Limits::default()).with_context(|| format!("cannot read {}", path.display())).map_err(bad_input)?),
+        None => None,
+    };
+    if !args.listen.ip().is_loopback() {
+        return Err(bad_input(anyhow::anyhow!("--listen {}: the gallery serves on loopback only (127.0.0.1 or ::1)", args.listen)));
+    }
+    let js = connect(options).await?;
+    let mut sheet = gallery::Gallery::new(js, store, &args.project, board);
+    if args.serve {
+        let served = gallery::serve::serve(sheet, args.listen, async {
+            let _ = tokio::signal::ctrl_c().await;
+        })
+        .await
+        .map_err(|e| server(anyhow::anyhow!(e)))?;
+        println!("serving the {} gallery on http://{}/ (Ctrl-C stops)", args.project, served.addr);
+        served.done.await.map_err(|e| server(anyhow::anyhow!(e)))?.map_err(|e| server(anyhow::anyhow!(e)))?;
+        return Ok(0);
+    }
+    let cards = sheet.cards().await.map_err(|e| server(anyhow::anyhow!(e)))?;
+    let out = args.out.unwrap_or_else(|| PathBuf::from(format!("gallery-{}", args.project)));
+    std::fs::create_dir_all(&out).with_context(|| format!("cannot create {}", out.display())).map_err(bad_input)?;
+    let path = out.join("index.html");
+    std::fs::write(&path, gallery::page::render(&args.project, &cards, false)).with_context(|| format!("cannot write {}", path.display())).map_err(bad_input)?;
+    println!("wrote {} ({} shots)", path.display(), cards.len());
     Ok(0)
 }
 

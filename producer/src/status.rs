@@ -6,12 +6,14 @@ use async_nats::jetstream;
 use async_nats::jetstream::stream::RawMessageErrorKind;
 use futures::StreamExt;
 use shotfleet_schema::nats::Topology;
-use shotfleet_schema::subject;
+use shotfleet_schema::subject::{self, Priority, SubjectClass};
 
 /// One (priority, class) consumer's state.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct QueueStatus {
     pub consumer: String,
+    pub priority: Priority,
+    pub class: SubjectClass,
     /// Jobs not yet delivered.
     pub pending: u64,
     /// Jobs delivered and not yet acked: being rendered (or about to be redelivered).
@@ -43,7 +45,7 @@ pub async fn read(js: &jetstream::Context) -> Result<Status, String> {
     // (another project's prompt); after one refusal the column stays empty instead of waiting
     // out a refusal per consumer.
     let mut oldest_readable = true;
-    for config in Topology::default().consumers() {
+    for ((priority, class), config) in queues().zip(Topology::default().consumers()) {
         let name = config.durable_name.clone().unwrap_or_default();
         let mut consumer = jobs
             .get_consumer::<jetstream::consumer::pull::Config>(&name)
@@ -64,6 +66,8 @@ pub async fn read(js: &jetstream::Context) -> Result<Status, String> {
         };
         status.queues.push(QueueStatus {
             consumer: name,
+            priority,
+            class,
             pending: info.num_pending,
             in_progress: info.num_ack_pending as u64,
             redelivered: info.num_redelivered as u64,
@@ -86,6 +90,57 @@ pub async fn read(js: &jetstream::Context) -> Result<Status, String> {
     Ok(status)
 }
 
+/// Every (priority, class) in the order of the topology's consumers.
+fn queues() -> impl Iterator<Item = (Priority, SubjectClass)> {
+    Priority::ALL.iter().copied().flat_map(|p| subject::job_classes().map(move |c| (p, c)))
+}
+
 fn missing(what: &str, e: impl std::fmt::Display) -> String {
     format!("cannot read {what}: {e} (has `shotfleet setup` been run against this server?)")
+}
+
+/// The status as `shotfleet status` prints it: the queues, failed records, the live workers
+/// (with what they hold) and the warnings about classes nobody serves.
+pub fn render(status: &Status, fleet: &crate::fleet::Fleet, now: std::time::Instant) -> String {
+    use std::fmt::Write as _;
+    let mut out = String::new();
+    let _ = writeln!(out, "{:<18} {:>8} {:>12} {:>12} {:>10}", "consumer", "pending", "in_progress", "redelivered", "oldest");
+    for q in &status.queues {
+        let oldest = q.oldest.map(|d| format!("{:.0}s", d.as_secs_f64())).unwrap_or_else(|| "-".into());
+        let _ = writeln!(out, "{:<18} {:>8} {:>12} {:>12} {:>10}", q.consumer, q.pending, q.in_progress, q.redelivered, oldest);
+    }
+    let failed: u64 = status.failed.iter().map(|(_, n)| n).sum();
+    let _ = writeln!(out, "results: {}   failed: {failed}", status.results);
+    for (subject, n) in &status.failed {
+        let _ = writeln!(out, "  {subject}: {n}");
+    }
+    let live: Vec<_> = fleet.live(now).collect();
+    let _ = writeln!(out, "workers heard of in the last minute: {}", live.len());
+    if !live.is_empty() {
+        let _ = writeln!(out, "  {:<22} {:<20} {:>15} {:>9} {:<12} {:<12} holds", "worker", "device", "gpu used/total", "budget", "serves", "admits");
+    }
+    for (name, worker) in live {
+        let gib = |bytes: u64| bytes as f64 / (1u64 << 30) as f64;
+        let gpu = worker.gpu.map_or_else(|| "-".into(), |g| format!("{:.1}/{:.1} GiB", gib(g.used_bytes), gib(g.total_bytes)));
+        let budget = worker.gpu.map_or_else(|| "-".into(), |g| format!("{:.1} GiB", gib(g.budget_bytes)));
+        let list = |classes: &[shotfleet_schema::MemoryClass]| classes.iter().map(|c| c.as_str()).collect::<Vec<_>>().join(",");
+        let (device, serves, admits) = worker.state.as_ref().map_or(("-".into(), "?".into(), "?".into()), |s| {
+            (s.device.clone(), list(&s.serves), list(&s.admits))
+        });
+        let holds = if worker.holds.is_empty() {
+            "idle".to_owned()
+        } else {
+            worker
+                .holds
+                .iter()
+                .map(|(job, p)| format!("{job} step {}/{} ({}/{} images)", p.step, p.steps, p.images_done, p.images))
+                .collect::<Vec<_>>()
+                .join("; ")
+        };
+        let _ = writeln!(out, "  {name:<22} {device:<20} {gpu:>15} {budget:>9} {serves:<12} {admits:<12} {holds}");
+    }
+    for warning in fleet.warnings(status, now) {
+        let _ = writeln!(out, "{warning}");
+    }
+    out
 }

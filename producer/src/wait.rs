@@ -63,8 +63,8 @@ pub async fn wait(
     let projects: BTreeSet<&str> = jobs.iter().map(|j| j.project.as_str()).collect();
     let mut feeds = Vec::new();
     for project in projects {
-        feeds.push(follow(js, subject::RESULTS_STREAM, format!("{}.done.{project}.*", subject::ROOT)).await?);
-        feeds.push(follow(js, subject::FAILED_STREAM, format!("{}.failed.*.{project}", subject::ROOT)).await?);
+        feeds.push(follow(js, subject::RESULTS_STREAM, format!("{}.done.{project}.*", subject::ROOT), consumer::DeliverPolicy::All).await?);
+        feeds.push(follow(js, subject::FAILED_STREAM, format!("{}.failed.*.{project}", subject::ROOT), consumer::DeliverPolicy::All).await?);
     }
     let mut messages = futures::stream::select_all(feeds);
     let mut outcomes: HashMap<String, Outcome> = HashMap::new();
@@ -98,17 +98,22 @@ pub async fn wait(
     Ok(outcomes)
 }
 
-/// An ordered consumer over one stream and filter. Retried for a while: during a cluster's
-/// leader election, JetStream API requests time out until a new leader answers.
-async fn follow(
+/// An ordered consumer over one stream and filter, from `deliver` on. Retried for a while:
+/// during a cluster's leader election, JetStream API requests time out until a new leader
+/// answers.
+///
+/// # Errors
+/// [`WaitError::Follow`] when the stream cannot be read after that while.
+pub async fn follow(
     js: &jetstream::Context,
     stream: &str,
     filter: String,
+    deliver: consumer::DeliverPolicy,
 ) -> Result<consumer::push::Ordered, WaitError> {
     const PATIENCE: std::time::Duration = std::time::Duration::from_secs(30);
     let started = tokio::time::Instant::now();
     loop {
-        match try_follow(js, stream, &filter).await {
+        match try_follow(js, stream, &filter, deliver).await {
             Ok(messages) => return Ok(messages),
             Err(detail) if started.elapsed() < PATIENCE => {
                 tracing::warn!(stream, filter = %filter, error = %detail, "cannot follow yet; retrying");
@@ -119,7 +124,12 @@ async fn follow(
     }
 }
 
-async fn try_follow(js: &jetstream::Context, stream: &str, filter: &str) -> Result<consumer::push::Ordered, String> {
+async fn try_follow(
+    js: &jetstream::Context,
+    stream: &str,
+    filter: &str,
+    deliver: consumer::DeliverPolicy,
+) -> Result<consumer::push::Ordered, String> {
     let stream = js.get_stream(stream).await.map_err(|e| e.to_string())?;
     let inbox = js.client().new_inbox();
     // A named consumer is created on `CONSUMER.CREATE.<stream>.<name>.<filter>`, which a
@@ -130,7 +140,7 @@ async fn try_follow(js: &jetstream::Context, stream: &str, filter: &str) -> Resu
             name: Some(name),
             deliver_subject: inbox,
             filter_subject: filter.to_owned(),
-            deliver_policy: consumer::DeliverPolicy::All,
+            deliver_policy: deliver,
             ..Default::default()
         })
         .await

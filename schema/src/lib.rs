@@ -10,16 +10,20 @@
 //! - [`class`]: the memory class of a job, computed from one image's size.
 //! - [`subject`]: subject names, stream and consumer names.
 //! - [`failure`]: the headers and reasons of a failed record.
+//! - [`progress`]: progress events of jobs in a worker's hands, and a worker's state.
+//! - [`cancel`]: cancel requests and their replies.
 //! - [`names`]: wire enums' names, lists and parse messages.
 //! - [`json_schema`]: the JSON Schema other languages can validate against.
 //! - `nats` (feature `nats`): connecting, and creating the streams and consumers both sides use.
 //! - `lora` (feature `lora`): LoRA files (formats, checks) and the LoRA library's layout, which
 //!   `shotfleet lora push` and the workers share.
 
+pub mod cancel;
 pub mod class;
 pub mod encoding;
 pub mod failure;
 pub mod job;
+pub mod progress;
 pub mod json_schema;
 pub mod names;
 #[cfg(feature = "lora")]
@@ -33,7 +37,9 @@ pub mod validate;
 pub use class::MemoryClass;
 pub use encoding::{ContentType, DecodeError, InvalidJob};
 pub use failure::FailureReason;
+pub use cancel::{CancelReply, CancelRequest, CancelResult, CancelledJob};
 pub use job::{Degrade, Floor, Lora, Original, ShotJob};
+pub use progress::{GpuMemory, ProgressEvent, ShotProgress, WorkerState};
 pub use result::{Failure, ImageRef, ResultStatus, ShotResult, Timing};
 pub use subject::{Priority, SubjectClass};
 pub use validate::{Limits, ValidationError};

@@ -194,9 +194,10 @@ pub mod msg_id {
     pub fn outcome(job_id: &str, stream_sequence: u64) -> String {
         format!("{job_id}:outcome:{stream_sequence}")
     }
-    /// A job's cancellation, asked by a person.
-    pub fn cancel(job_id: &str) -> String {
-        format!("{job_id}:cancel")
+    /// A job's cancellation, claimed over the outcome at sequence `after` (0: none), so a
+    /// later request of the job can be cancelled again inside the duplicate window.
+    pub fn cancel(job_id: &str, after: u64) -> String {
+        format!("{job_id}:cancel:{after}")
     }
     /// A job re-published by a worker from `auto` (or a wrong class) to its class subject.
     pub fn route(job_id: &str) -> String {

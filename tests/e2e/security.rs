@@ -202,6 +202,25 @@ async fn each_role_does_its_commands_and_nothing_more() {
     let out = shotfleet(&url, &OPERATOR.env(), &["status"]).await;
     assert!(out.status.success(), "operator status: {}", text(&out));
 
+    // A producer sees the live workers, cancels its own queued job (a class nobody serves) and
+    // makes its project's contact sheet; another project's cancel subject is not its own.
+    let out = shotfleet(&url, &TIDE.env(), &["status"]).await;
+    assert!(text(&out).contains("w-roles"), "producer status lists the workers: {}", text(&out));
+    let (js, refused) = TIDE.connect(&url).await;
+    let mut headers = HeaderMap::new();
+    headers.insert("Nats-Msg-Id", "tide-xl");
+    headers.insert("Content-Type", "application/json");
+    let xl = r#"{"v":1,"job_id":"tide-xl","project":"tide","shot_id":"s3","prompt":"a wide bay","width":1600,"height":1600,"steps":1,"guidance":5.0,"seed":4}"#;
+    js.publish_with_headers("shots.p1.xl.tide", headers, xl.into()).await.unwrap().await.expect("queued");
+    let out = shotfleet(&url, &TIDE.env(), &["cancel", "--project", "tide", "tide-xl"]).await;
+    assert!(out.status.success() && text(&out).contains("1 cancelled"), "producer cancel: {}", text(&out));
+    let gallery = dir.path().join("gallery");
+    let store_url = format!("file://{}", store.display());
+    let out = shotfleet(&url, &TIDE.env(), &["gallery", "--project", "tide", "--store", &store_url, "--out", gallery.to_str().unwrap()]).await;
+    assert!(out.status.success(), "producer gallery: {}", text(&out));
+    js.client().publish("shots.cancel.moth.moth-1", "{}".into()).await.unwrap();
+    assert_refused(&refused, "shots.cancel.moth.moth-1").await;
+
     // The server refused the binaries nothing: every refusal above was the test's own.
     let log = server.log();
     let theirs: Vec<&str> = log

@@ -399,6 +399,23 @@ impl Budget {
         *lock(&self.inner.cache) = None;
     }
 
+    /// Which of `classes` fit this card's budget when it holds no job: a class left out never
+    /// runs here, however long the worker idles.
+    ///
+    /// # Errors
+    ///
+    /// The card could not be read.
+    pub fn admits_when_idle(&self, classes: &[MemoryClass]) -> Result<Vec<MemoryClass>, ProbeError> {
+        let mut admitted = Vec::new();
+        for &class in classes {
+            let shape = self.class_shape(class);
+            if self.holds_one(shape.width, shape.height)? {
+                admitted.push(class);
+            }
+        }
+        Ok(admitted)
+    }
+
     /// The largest one-image shape of `class`: a square of its pixel bound. Admission fetches
     /// a class only while one such image fits.
     pub fn class_shape(&self, class: MemoryClass) -> Shape {

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use metrics::{Unit, counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
-use shotfleet_schema::{MemoryClass, Priority, SubjectClass};
+use shotfleet_schema::{FailureReason, MemoryClass, Priority, SubjectClass};
 
 use super::TelemetryError;
 
@@ -26,6 +26,9 @@ pub const IN_FLIGHT_JOBS: &str = "shotfleet_in_flight_jobs";
 pub const OUT_OF_MEMORY_TOTAL: &str = "shotfleet_out_of_memory_total";
 pub const SESSION_REBUILDS_TOTAL: &str = "shotfleet_session_rebuilds_total";
 pub const CLASS_SERVABLE: &str = "shotfleet_class_servable";
+pub const IMAGES_TOTAL: &str = "shotfleet_images_total";
+pub const FAILURES_TOTAL: &str = "shotfleet_failures_total";
+pub const BACKLOG_JOBS: &str = "shotfleet_backlog_jobs";
 
 /// Seconds a job waited in the stream; backfill (`p2`) can wait hours under load.
 const QUEUE_WAIT_BUCKETS: &[f64] =
@@ -57,6 +60,8 @@ pub enum JobOutcome {
     DegradeRepublished,
     /// A result already existed (a redelivery after another worker committed); acked, not rendered.
     DuplicateSkip,
+    /// Cancelled (`shotfleet cancel`): settled by its `cancelled` outcome, queued or mid-render.
+    Cancelled,
 }
 
 impl JobOutcome {
@@ -81,6 +86,7 @@ pub fn install() -> Result<PrometheusHandle, TelemetryError> {
         .get_or_init(|| {
             let handle = builder().and_then(|b| b.install_recorder()).map_err(|e| e.to_string())?;
             describe();
+            zeroes();
             Ok(handle)
         })
         .clone()
@@ -121,6 +127,36 @@ fn describe() {
         CLASS_SERVABLE,
         "1 for each memory class this worker serves, 0 for the others; `reason` says why (fits, not_configured, out_of_memory, over_budget), as calibrated at start."
     );
+    describe_counter!(IMAGES_TOTAL, Unit::Count, "Images of jobs this worker committed, by priority and class.");
+    describe_counter!(FAILURES_TOTAL, Unit::Count, "Jobs this worker failed (a failed record written), by reason.");
+    describe_gauge!(BACKLOG_JOBS, Unit::Count, "Jobs of a render consumer this worker serves, by state, as the server last reported.");
+}
+
+/// Counters a dashboard rates from the start, at zero before their first event (a series that
+/// does not exist yet draws nothing, and hides a typo in a query).
+fn zeroes() {
+    counter!(OUT_OF_MEMORY_TOTAL).absolute(0);
+    counter!(SESSION_REBUILDS_TOTAL).absolute(0);
+    for &reason in FailureReason::ALL {
+        counter!(FAILURES_TOTAL, "reason" => reason.as_str()).absolute(0);
+    }
+}
+
+/// Counts the images of a job this worker committed.
+pub fn images_rendered(priority: Priority, class: SubjectClass, images: usize) {
+    counter!(IMAGES_TOTAL, "priority" => priority.as_str(), "class" => class.as_str()).increment(images as u64);
+}
+
+/// Counts a job this worker failed (its failed record written), by reason.
+pub fn job_failed(reason: FailureReason) {
+    counter!(FAILURES_TOTAL, "reason" => reason.as_str()).increment(1);
+}
+
+/// Sets a render consumer's backlog as the server last reported it: `pending` jobs not yet
+/// delivered, `in_progress` delivered and not yet acked.
+pub fn backlog(consumer: &str, pending: u64, in_progress: u64) {
+    gauge!(BACKLOG_JOBS, "consumer" => consumer.to_owned(), "state" => "pending").set(pending as f64);
+    gauge!(BACKLOG_JOBS, "consumer" => consumer.to_owned(), "state" => "in_progress").set(in_progress as f64);
 }
 
 /// Counts one job leaving the worker.

@@ -20,7 +20,7 @@
 //!
 //! | name | type | labels | meaning |
 //! | --- | --- | --- | --- |
-//! | `shotfleet_jobs_total` | counter | `outcome`, `priority`, `class` | jobs that left this worker. `outcome`: `done`, `degraded` (rendered below the requested quality), `failed` (to the failed stream), `nak` (handed back), `routed` (re-published to its class subject unrendered), `degrade_republished` (re-published one rung down), `duplicate_skip` (a result already existed). `priority`: `p0`..`p2`. `class`: `xs`..`xl`, or `auto` |
+//! | `shotfleet_jobs_total` | counter | `outcome`, `priority`, `class` | jobs that left this worker. `outcome`: `done`, `degraded` (rendered below the requested quality), `failed` (to the failed stream), `nak` (handed back), `routed` (re-published to its class subject unrendered), `degrade_republished` (re-published one rung down), `duplicate_skip` (a result already existed), `cancelled` (settled by its cancellation). `priority`: `p0`..`p2`. `class`: `xs`..`xl`, or `auto` |
 //! | `shotfleet_queue_wait_seconds` | histogram | `priority` | publish to fetch; a growing `p2` tail with flat `p0` is the priority policy at work, a growing `p0` tail means too few workers |
 //! | `shotfleet_render_seconds` | histogram | `class` | one job's render, all its images |
 //! | `shotfleet_upload_seconds` | histogram | | one job's upload, store retries included |
@@ -32,6 +32,9 @@
 //! | `shotfleet_estimate_error_ratio` | histogram | `start` | (observed - estimated) / estimated peak memory per job (at `concurrency = 1`); `start="cold"`: the render began from shrunk arenas and the peak is its own, mass above 0 means the estimate runs low; `start="warm"`: the peak includes what earlier renders left cached, an upper bound |
 //! | `shotfleet_in_flight_jobs` | gauge | | jobs fetched and not yet settled |
 //! | `shotfleet_class_servable` | gauge | `class`, `reason` | 1 for a class this worker serves, 0 for one it does not, as calibrated at start. `reason`: `fits` (one image of its largest size fits the idle budget), `not_configured` (not in `classes`), `out_of_memory` (a probe at or below that size ran out of memory at start: the card's ceiling), `over_budget` (planned over the room beside the models) |
+//! | `shotfleet_images_total` | counter | `priority`, `class` | images of the jobs this worker committed |
+//! | `shotfleet_failures_total` | counter | `reason` | jobs this worker failed (failed record written): `invalid`, `oom`, `attempts`, `max_deliveries`, `driver` |
+//! | `shotfleet_backlog_jobs` | gauge | `consumer`, `state` | a served consumer's `pending` and `in_progress` jobs, read from the server every 15 s (every worker of a class reports it: take the max) |
 //!
 //! Useful queries: `sum by (outcome) (rate(shotfleet_jobs_total[5m]))`;
 //! `shotfleet_class_servable == 0 unless on(class) shotfleet_class_servable{reason="not_configured"}`
@@ -51,8 +54,9 @@ pub use self::health::Health;
 pub use self::metrics::{
     BUDGET_FREE_BYTES, BUDGET_USED_BYTES, CLASS_SERVABLE, ESTIMATE_ERROR_RATIO, GPU_MEMORY_TOTAL_BYTES, GPU_MEMORY_USED_BYTES,
     GPU_UTILIZATION_RATIO, IN_FLIGHT_JOBS, InFlight, JOBS_TOTAL, JobOutcome, OUT_OF_MEMORY_TOTAL, QUEUE_WAIT_SECONDS,
-    RENDER_SECONDS, SESSION_REBUILDS_TOTAL, UPLOAD_SECONDS, budget, class_servable, estimate_error, gpu_memory, gpu_utilization, in_flight,
-    install, job_finished, out_of_memory, queue_wait, render_time, session_rebuilt, upload_time,
+    RENDER_SECONDS, SESSION_REBUILDS_TOTAL, UPLOAD_SECONDS, BACKLOG_JOBS, FAILURES_TOTAL, IMAGES_TOTAL, backlog, budget,
+    class_servable, estimate_error, gpu_memory, gpu_utilization, images_rendered, in_flight, install, job_failed, job_finished,
+    out_of_memory, queue_wait, render_time, session_rebuilt, upload_time,
 };
 pub use self::server::{TelemetryServer, serve};
 

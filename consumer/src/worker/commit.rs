@@ -60,8 +60,20 @@ impl Outcome {
 /// # Errors
 /// A transient [`JobError`] when the results stream cannot be read.
 pub async fn last_outcome(shared: &Shared, project: &str, job_id: &str) -> Result<Option<Outcome>, JobError> {
+    last_outcome_in(&shared.results, project, job_id).await
+}
+
+/// [`last_outcome`] in the results stream `results`.
+///
+/// # Errors
+/// As [`last_outcome`].
+pub async fn last_outcome_in(
+    results: &async_nats::jetstream::stream::Stream,
+    project: &str,
+    job_id: &str,
+) -> Result<Option<Outcome>, JobError> {
     let subject = subject::result(project, job_id);
-    match shared.results.direct_get_last_for_subject(subject).await {
+    match results.direct_get_last_for_subject(subject).await {
         Ok(message) => {
             let ct = message.headers.get(encoding::HEADER).map(|v| v.as_str().to_owned());
             let ct = ContentType::from_header(ct.as_deref()).map_err(|e| JobError::transient(e.to_string()))?;
@@ -89,11 +101,19 @@ pub enum Claim {
 /// # Errors
 /// A transient [`JobError`] when the publish or the look-up after a refusal failed.
 pub async fn claim(shared: &Shared, result: &ShotResult, expected: u64, stream_sequence: u64) -> Result<Claim, JobError> {
+    claim_as(shared, result, expected, subject::msg_id::outcome(&result.job_id, stream_sequence)).await
+}
+
+/// [`claim`] with the publish's message id given: a cancellation is no job message's outcome.
+///
+/// # Errors
+/// As [`claim`].
+pub async fn claim_as(shared: &Shared, result: &ShotResult, expected: u64, message_id: String) -> Result<Claim, JobError> {
     let payload = encoding::encode(ContentType::Json, result);
     let publish = PublishMessage::build()
         .payload(payload.into())
         .header(encoding::HEADER, ContentType::Json.as_str())
-        .message_id(subject::msg_id::outcome(&result.job_id, stream_sequence))
+        .message_id(message_id)
         .expected_last_subject_sequence(expected);
     let target = subject::result(&result.project, &result.job_id);
     let published = match shared.js.send_publish(target, publish).await {

@@ -11,15 +11,16 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use shotfleet_schema::ShotJob;
+use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use crate::pipeline::{CancelHandle, RenderControl, RenderRequest};
 use crate::telemetry;
 use crate::worker::Shared;
 use crate::worker::delivery::Delivery;
-use crate::worker::job::{self, Next, Taken, commit_output, render_and_commit};
-use crate::worker::render::{render_request, stop_at};
-use crate::worker::settle::settle;
+use crate::worker::job::{self, Next, Taken, commit_output, finish, render_and_commit};
+use crate::worker::progress::{self, Reporter};
+use crate::worker::render::{AbortOnDrop, render_request, stop_at};
 
 /// Jobs that can share UNet batches: one schedule, one guidance scale, one image size.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -46,16 +47,14 @@ pub async fn handle(shared: Arc<Shared>, deliveries: Vec<Delivery>) {
         let (taken, next) = job::take(&shared, delivery).await;
         match next {
             Next::Render => groups.entry(Compatible::of(taken.job())).or_default().push(taken),
-            Next::Settle(handled) => {
-                settle(&shared, &taken.held(), handled).await;
-            }
+            Next::Settle(handled) => finish(&shared, &taken, handled).await,
         }
     }
     for members in groups.into_values() {
         if members.len() == 1 || !render_together(&shared, &members).await {
             for taken in &members {
                 let handled = render_and_commit(&shared, taken).await;
-                settle(&shared, &taken.held(), handled).await;
+                finish(&shared, taken, handled).await;
             }
         }
     }
@@ -73,11 +72,22 @@ async fn render_together(shared: &Arc<Shared>, members: &[Taken]) -> bool {
     let requests: Vec<RenderRequest> = members.iter().map(|taken| render_request(taken.job(), images)).collect();
     let control = RenderControl { cancel: CancelHandle::new(), ..RenderControl::default() };
     let timed_out = Arc::new(AtomicBool::new(false));
-    let stopper = stop_at(shared, Instant::now() + shared.config.job_time_limit, &control.cancel, &timed_out);
+    let (any_settled, _watching) = any_settled(members);
+    let stopper = stop_at(shared, Instant::now() + shared.config.job_time_limit, &control.cancel, &timed_out, &any_settled);
+    let mut offset = 0;
+    let (steps, _publishers): (Vec<_>, Vec<_>) = members
+        .iter()
+        .filter_map(|taken| {
+            let images = taken.job().images;
+            offset += images;
+            let (steps, publisher) = taken.reporter.as_ref().map(Reporter::steps)?;
+            Some((steps.in_group(offset - images, images), publisher))
+        })
+        .unzip();
     let pipeline = shared.pipeline();
     let started = Instant::now();
     let rendered = tokio::task::spawn_blocking(move || {
-        pipeline.render_group(&requests, &control, &mut |_| std::ops::ControlFlow::Continue(()))
+        pipeline.render_group(&requests, &control, &mut progress::callback(&steps))
     })
     .await;
     drop(stopper);
@@ -94,7 +104,20 @@ async fn render_together(shared: &Arc<Shared>, members: &[Taken]) -> bool {
     info!(jobs = members.len(), images, width = first.width, height = first.height, elapsed_ms = elapsed.as_millis() as u64, "rendered a group");
     for (taken, output) in members.iter().zip(outputs) {
         let handled = commit_output(shared, taken, output, elapsed).await;
-        settle(shared, &taken.held(), handled).await;
+        finish(shared, taken, handled).await;
     }
     true
+}
+
+/// A token that fires when any member is settled elsewhere (a cancellation): the shared render
+/// stops, and the members left are rendered one by one (the settled one is not).
+fn any_settled(members: &[Taken]) -> (CancellationToken, AbortOnDrop) {
+    let any = CancellationToken::new();
+    let watched: Vec<_> = members.iter().map(|taken| taken.watch.settled.clone()).collect();
+    let fire = any.clone();
+    let task = tokio::spawn(async move {
+        futures::future::select_all(watched.iter().map(|token| Box::pin(token.cancelled()))).await;
+        fire.cancel();
+    });
+    (any, AbortOnDrop::new(task))
 }

@@ -6,17 +6,20 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use shotfleet_schema::encoding::{self, DecodeError, InvalidJob};
+use shotfleet_schema::progress::ProgressEvent;
 use shotfleet_schema::{ResultStatus, ShotJob};
 use tracing::{info, warn};
 
 use crate::failure::JobError;
 use crate::faults::CrashPoint;
 use crate::pipeline::RenderOutput;
-use crate::telemetry;
+use crate::telemetry::{self, JobOutcome};
 use crate::worker::commit::{self, Claim};
 use crate::worker::delivery::{Delivery, KeepAlive};
+use crate::worker::progress::Reporter;
 use crate::worker::render::{Rendered, render_job};
 use crate::worker::settle::{Handled, Held, settle};
+use crate::worker::watch::OutcomeWatch;
 use crate::worker::{Shared, route};
 
 /// A delivery taken by this worker: kept alive until it is settled.
@@ -26,6 +29,10 @@ pub(crate) struct Taken {
     pub job: Option<ShotJob>,
     /// The sequence of the job's last outcome when it was taken (0: none).
     pub last_outcome: u64,
+    /// Progress events, for a job this worker renders.
+    pub reporter: Option<Reporter>,
+    /// Fires when an outcome lands that settles the job (a cancellation): its work stops.
+    pub watch: OutcomeWatch,
     _alive: KeepAlive,
 }
 
@@ -56,7 +63,27 @@ pub async fn handle(shared: Arc<Shared>, delivery: Delivery) {
         Next::Render => render_and_commit(&shared, &taken).await,
         Next::Settle(handled) => handled,
     };
-    settle(&shared, &taken.held(), handled).await;
+    finish(&shared, &taken, handled).await;
+}
+
+/// Settles a taken job and tells its followers how it left this worker.
+pub(crate) async fn finish(shared: &Shared, taken: &Taken, handled: Handled) {
+    let detail = match &handled {
+        Handled::Stopped(error) => Some(error.detail.clone()),
+        _ => None,
+    };
+    let outcome = settle(shared, &taken.held(), handled).await;
+    if outcome == JobOutcome::Cancelled {
+        info!(job = taken.job.as_ref().map_or("?", |j| j.job_id.as_str()), rendering = taken.reporter.is_some(), "cancelled: its work stopped, its uploads swept");
+    }
+    if let Some(reporter) = &taken.reporter {
+        let (event, detail) = match outcome {
+            JobOutcome::Nak => (ProgressEvent::Queued, detail),
+            JobOutcome::DegradeRepublished => (ProgressEvent::Queued, Some("re-published one rung down the degrade ladder".into())),
+            _ => (ProgressEvent::Settled, None),
+        };
+        reporter.send(event, None, detail).await;
+    }
 }
 
 /// The steps before rendering: decode and validate, route (`auto` or the wrong class), and look
@@ -69,23 +96,34 @@ pub(crate) async fn take(shared: &Shared, delivery: Delivery) -> (Taken, Next) {
             let Rejected { job, why } = *rejected;
             (job, 0, Next::Settle(Handled::Stopped(JobError::invalid(why.to_string()))))
         }
-        Ok(job) if route::needs_routing(&delivery, &job) => {
-            let handled = match route::reroute(shared, &delivery, &job).await {
-                Ok(()) => Handled::Routed,
-                Err(e) => Handled::Stopped(e),
-            };
-            (Some(job), 0, Next::Settle(handled))
-        }
+        // The outcome first, routing second: a cancelled `auto` job is settled here, not
+        // re-published as a new message that its cancellation would not settle.
         Ok(job) => match commit::last_outcome(shared, &job.project, &job.job_id).await {
             Ok(Some(outcome)) if outcome.settles(delivery.published) => {
                 let settled = Handled::Committed { result: Box::new(outcome.result), ours: false };
                 (Some(job), outcome.sequence, Next::Settle(settled))
             }
+            Ok(_) if route::needs_routing(&delivery, &job) => {
+                let handled = match route::reroute(shared, &delivery, &job).await {
+                    Ok(()) => Handled::Routed,
+                    Err(e) => Handled::Stopped(e),
+                };
+                (Some(job), 0, Next::Settle(handled))
+            }
             Ok(last) => (Some(job), last.map_or(0, |o| o.sequence), Next::Render),
             Err(e) => (Some(job), 0, Next::Settle(Handled::Stopped(e))),
         },
     };
-    (Taken { delivery, job, last_outcome, _alive }, next)
+    let (reporter, watch) = match (&job, &next) {
+        (Some(job), Next::Render) => {
+            let watch = OutcomeWatch::start(shared, job, delivery.published).await;
+            let reporter = Reporter::new(shared, job);
+            reporter.send(ProgressEvent::Taken, None, None).await;
+            (Some(reporter), watch)
+        }
+        _ => (None, OutcomeWatch::none()),
+    };
+    (Taken { delivery, job, last_outcome, reporter, watch, _alive }, next)
 }
 
 /// A job that can never be rendered, with the job when the payload was readable enough.
@@ -118,9 +156,26 @@ fn decode(shared: &Shared, delivery: &Delivery) -> Result<ShotJob, Box<Rejected>
 
 /// Renders a taken job on its own and commits it.
 pub(crate) async fn render_and_commit(shared: &Arc<Shared>, taken: &Taken) -> Handled {
-    match render_job(shared, &taken.delivery, taken.job()).await {
+    if let Some(settled) = settled_elsewhere(shared, taken).await {
+        return settled;
+    }
+    match render_job(shared, taken).await {
         Ok(Rendered { output, elapsed }) => commit_output(shared, taken, output, elapsed).await,
-        Err(error) => Handled::Stopped(error),
+        Err(error) => settled_elsewhere(shared, taken).await.unwrap_or(Handled::Stopped(error)),
+    }
+}
+
+/// The outcome that settled the job while this worker held it (a cancellation), if one did.
+pub(crate) async fn settled_elsewhere(shared: &Shared, taken: &Taken) -> Option<Handled> {
+    if !taken.watch.settled.is_cancelled() {
+        return None;
+    }
+    let job = taken.job.as_ref()?;
+    match commit::last_outcome(shared, &job.project, &job.job_id).await {
+        Ok(Some(outcome)) if outcome.settles(taken.delivery.published) => {
+            Some(Handled::Committed { result: Box::new(outcome.result), ours: false })
+        }
+        _ => None,
     }
 }
 

@@ -16,9 +16,15 @@
 //! - [`route`]: `auto` and wrong-class jobs; [`failed`]: failed records; [`advisory`]: jobs
 //!   that died on their last delivery; [`attempts`]: failed attempts per job message;
 //! - [`delivery`]: a fetched message, its acks and its keep-alive.
+//! - [`progress`]: a held job's progress events; [`watch`]: stops a held job's work when an
+//!   outcome settles it elsewhere; [`cancel`]: answers cancel requests; [`ping`]: answers
+//!   `shots.workers.ping` with this worker's state; [`backlog`]: the served consumers' backlog
+//!   as a metric.
 
 pub mod advisory;
 pub mod attempts;
+pub mod backlog;
+pub mod cancel;
 pub mod calibrate;
 pub mod check;
 pub mod commit;
@@ -29,12 +35,15 @@ pub mod fetch;
 pub mod group;
 pub mod job;
 pub mod leak;
+pub mod ping;
 pub mod priority;
+pub mod progress;
 pub mod render;
 pub mod route;
 pub mod settle;
 pub mod serving;
 pub mod startup;
+pub mod watch;
 
 use std::future::Future;
 use std::sync::Arc;
@@ -256,6 +265,8 @@ pub async fn run(
         .map_err(|e| WorkerError::start("open stream SHOT_RESULTS (run `shotfleet setup`)", e))?;
     // Subscribed before the models load: an advisory emitted meanwhile waits in the subscription.
     let advisories = advisory::subscribe(&client).await.map_err(|e| WorkerError::start("listen for max-delivery advisories", e))?;
+    let cancels = cancel::subscribe(&client).await.map_err(|e| WorkerError::start("listen for cancel requests", e))?;
+    let pings = ping::subscribe(&client).await.map_err(|e| WorkerError::start("listen for pings", e))?;
     let mut consumers =
         fetch::Consumers::bind(&jobs_stream, &config.classes).await.map_err(|e| WorkerError::start("bind consumers", e))?;
     let (ack_wait, max_deliver) = consumers.limits().await.map_err(|e| WorkerError::start("read consumer limits", e))?;
@@ -289,6 +300,9 @@ pub async fn run(
         exit: std::sync::Mutex::new(None),
     });
     let _advisories = advisory::listen(shared.clone(), advisories);
+    let _cancels = cancel::listen(shared.clone(), cancels);
+    let _pings = ping::listen(shared.clone(), pings);
+    let _backlog = backlog::export(shared.clone());
     let watching = Arc::new(std::sync::atomic::AtomicBool::new(false));
     if let Some(gpu) = shared.config.gpu_index() {
         watch_driver_events(&shared, gpu, watching.clone());

@@ -3,13 +3,13 @@
 //! down to one image, then a tiled VAE decode: the same images, one job, one result). What
 //! cannot be rendered here comes back as a [`JobError`] for `settle`.
 
-use std::ops::ControlFlow;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use shotfleet_schema::ShotJob;
 use shotfleet_schema::subject::SubjectClass;
+use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use crate::budget::{MIB, Measured, Reservation, Shape};
@@ -19,6 +19,8 @@ use crate::telemetry;
 use crate::worker::attempts::Counts;
 use crate::worker::commit;
 use crate::worker::delivery::Delivery;
+use crate::worker::job::Taken;
+use crate::worker::progress::{self, Reporter};
 use crate::worker::{Shared, shrink_arenas};
 
 /// How long a job with no room here waits before it is offered again.
@@ -47,7 +49,8 @@ struct Attempt {
 /// A [`JobError`]: no room now or a first out-of-memory (give back), out of memory one image
 /// at a time with a tiled VAE (degrade), the time limit, the worker stopping, or the render's
 /// own error by its kind.
-pub async fn render_job(shared: &Arc<Shared>, delivery: &Delivery, job: &ShotJob) -> Result<Rendered, JobError> {
+pub(crate) async fn render_job(shared: &Arc<Shared>, taken: &Taken) -> Result<Rendered, JobError> {
+    let (delivery, job) = (&taken.delivery, taken.job());
     let Some((batch, mut reservation)) = plan(shared, job) else {
         if shared.budget.holds_one(job.width, job.height).unwrap_or(true) {
             return Err(JobError::give_back(NO_ROOM_DELAY, "no room for this job now"));
@@ -60,7 +63,8 @@ pub async fn render_job(shared: &Arc<Shared>, delivery: &Delivery, job: &ShotJob
     let mut attempt = Attempt { batch, vae: VaeDecode::Whole };
     let deadline = Instant::now() + shared.config.job_time_limit;
     loop {
-        let (error, stage) = match render_once(shared, job, attempt, reservation, deadline).await {
+        let stops = Stops { deadline, settled: &taken.watch.settled, reporter: taken.reporter.as_ref() };
+        let (error, stage) = match render_once(shared, job, attempt, reservation, &stops).await {
             Ok(rendered) => return Ok(rendered),
             Err((error, stage)) if error.kind == ErrorKind::Oom => (error, stage),
             Err((error, _)) => return Err(error),
@@ -134,14 +138,23 @@ fn next_in_place(job: &ShotJob, attempt: Attempt, failed_at: Option<Stage>) -> O
     (attempt.vae == VaeDecode::Whole && tile < job.width.max(job.height)).then_some(Attempt { vae: tiled, ..attempt })
 }
 
-/// One render of the whole job at `attempt`'s sizes, off the async threads, stopped at
-/// `deadline` or when the worker aborts. An error comes with the stage it came from.
+/// What stops a render besides its own end, and who hears of its steps.
+struct Stops<'a> {
+    deadline: Instant,
+    /// An outcome settled the job elsewhere (a cancellation).
+    settled: &'a CancellationToken,
+    reporter: Option<&'a Reporter>,
+}
+
+/// One render of the whole job at `attempt`'s sizes, off the async threads, stopped at the
+/// deadline, when the worker aborts or when the job is settled elsewhere. An error comes with
+/// the stage it came from.
 async fn render_once(
     shared: &Arc<Shared>,
     job: &ShotJob,
     attempt: Attempt,
     reservation: Reservation,
-    deadline: Instant,
+    stops: &Stops<'_>,
 ) -> Result<Rendered, (JobError, Option<Stage>)> {
     let request = render_request(job, attempt.batch);
     let started = Instant::now();
@@ -156,11 +169,13 @@ async fn render_once(
     }
     let control = RenderControl { vae_decode: attempt.vae, cancel: CancelHandle::new() };
     let timed_out = Arc::new(AtomicBool::new(false));
-    let _stopper = stop_at(shared, deadline, &control.cancel, &timed_out);
+    let _stopper = stop_at(shared, stops.deadline, &control.cancel, &timed_out, stops.settled);
+    let (steps, _publisher) = stops.reporter.map(Reporter::steps).unzip();
     let pipeline = shared.pipeline();
     let meter = shared.meter.clone();
     let outcome = tokio::task::spawn_blocking(move || {
-        let render = || pipeline.render_with(&request, &control, &mut |_| ControlFlow::Continue(()));
+        let steps: Vec<_> = steps.into_iter().collect();
+        let render = || pipeline.render_with(&request, &control, &mut progress::callback(&steps));
         match meter {
             Some(meter) => {
                 let (result, peak) = meter.measure(render);
@@ -253,13 +268,20 @@ pub(crate) fn render_request(job: &ShotJob, max_batch: u32) -> RenderRequest {
     }
 }
 
-/// Stops the run in progress (ONNX Runtime's terminate) at `deadline` (setting `timed_out`) or
-/// when the worker aborts, until dropped.
-pub(crate) fn stop_at(shared: &Shared, deadline: Instant, cancel: &CancelHandle, timed_out: &Arc<AtomicBool>) -> AbortOnDrop {
-    let (cancel, abort, timed_out) = (cancel.clone(), shared.abort.clone(), timed_out.clone());
+/// Stops the run in progress (ONNX Runtime's terminate) at `deadline` (setting `timed_out`),
+/// when the worker aborts or when `settled` fires (the job was settled elsewhere), until dropped.
+pub(crate) fn stop_at(
+    shared: &Shared,
+    deadline: Instant,
+    cancel: &CancelHandle,
+    timed_out: &Arc<AtomicBool>,
+    settled: &CancellationToken,
+) -> AbortOnDrop {
+    let (cancel, abort, timed_out, settled) = (cancel.clone(), shared.abort.clone(), timed_out.clone(), settled.clone());
     AbortOnDrop(tokio::spawn(async move {
         tokio::select! {
             () = abort.cancelled() => {}
+            () = settled.cancelled() => {}
             () = tokio::time::sleep_until(deadline.into()) => timed_out.store(true, Ordering::Relaxed),
         }
         cancel.cancel();
@@ -267,7 +289,13 @@ pub(crate) fn stop_at(shared: &Shared, deadline: Instant, cancel: &CancelHandle,
 }
 
 /// A task that ends when this is dropped.
-pub(crate) struct AbortOnDrop(tokio::task::JoinHandle<()>);
+pub struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl AbortOnDrop {
+    pub fn new(task: tokio::task::JoinHandle<()>) -> Self {
+        Self(task)
+    }
+}
 
 impl Drop for AbortOnDrop {
     fn drop(&mut self) {

@@ -167,6 +167,7 @@ async fn fail(shared: &Shared, held: &Held<'_>, reason: FailureReason, detail: &
     match failed::record(shared, &case, reason, detail, attempts).await {
         Recorded::Failed => {
             warn!(job = held.job_id(), reason = %reason, detail, "job failed");
+            telemetry::job_failed(reason);
             delivery.term().await;
             JobOutcome::Failed
         }
@@ -184,7 +185,11 @@ async fn fail(shared: &Shared, held: &Held<'_>, reason: FailureReason, detail: &
 async fn finish_committed(shared: &Shared, held: &Held<'_>, result: &ShotResult, ours: bool) -> JobOutcome {
     sweep(shared, result).await;
     ack(held).await;
+    if ours && result.is_rendered() {
+        telemetry::images_rendered(held.delivery.origin.priority, held.class(), result.images.len());
+    }
     match (ours, result.status) {
+        (false, ResultStatus::Cancelled) => JobOutcome::Cancelled,
         (false, _) => JobOutcome::DuplicateSkip,
         (true, ResultStatus::Done) => JobOutcome::Done,
         (true, ResultStatus::Degraded) => JobOutcome::Degraded,

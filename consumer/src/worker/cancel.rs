@@ -1,0 +1,208 @@
+//! Cancel requests (`shots.cancel.<project>.<job_id|@project>`, schema `cancel`): one worker of
+//! the fleet answers each (a queue group). For each job it claims a `cancelled` outcome on the
+//! job's result subject the way every outcome is claimed (commit.rs), removes the job's queued
+//! messages from `SHOTS` and replies. The worker rendering the job sees that outcome land
+//! (watch.rs) and stops at its next step; a copy of the job that some worker takes later is
+//! settled by the outcome without rendering.
+//!
+//! The workers answer, not the client: finding a job's queued messages reads `SHOTS`, which
+//! holds every project's prompts, and a worker may already read and delete there (advisory.rs);
+//! a producer may only publish its own project's cancel requests.
+
+use std::sync::Arc;
+use std::time::SystemTime;
+
+use async_nats::jetstream::stream::RawMessageErrorKind;
+use futures::StreamExt;
+use shotfleet_schema::cancel::{self, CancelReply, CancelRequest, CancelResult, CancelledJob, WHOLE_PROJECT};
+use shotfleet_schema::encoding;
+use shotfleet_schema::validate::{MAX_ID_BYTES, MAX_PROJECT_BYTES, id_problem};
+use shotfleet_schema::{Failure, ResultStatus, ShotResult, Timing, subject};
+use tracing::{info, warn};
+
+use crate::worker::Shared;
+use crate::worker::commit::{self, Claim, Outcome, now_ms};
+
+/// Subscribes this worker to cancel requests, as one of the answering queue group.
+///
+/// # Errors
+/// The subscription's failure.
+pub async fn subscribe(client: &async_nats::Client) -> Result<async_nats::Subscriber, async_nats::SubscribeError> {
+    client.queue_subscribe(format!("{}.cancel.>", subject::ROOT), cancel::QUEUE_GROUP.to_owned()).await
+}
+
+/// Answers cancel requests until the subscription ends.
+pub fn listen(shared: Arc<Shared>, mut requests: async_nats::Subscriber) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        while let Some(message) = requests.next().await {
+            let shared = shared.clone();
+            tokio::spawn(async move {
+                let reply = answer(&shared, &message).await;
+                if let Some(to) = message.reply {
+                    let payload = serde_json::to_vec(&reply).expect("replies serialize");
+                    if let Err(e) = shared.js.client().publish(to, payload.into()).await {
+                        warn!(error = %e, "cannot answer a cancel request");
+                    }
+                }
+            });
+        }
+    })
+}
+
+/// A queued (or held) message of a job in `SHOTS`.
+#[derive(Debug, Clone)]
+struct Queued {
+    sequence: u64,
+    job_id: String,
+    shot_id: String,
+    published: SystemTime,
+}
+
+async fn answer(shared: &Shared, message: &async_nats::Message) -> CancelReply {
+    let mut reply = CancelReply { v: shotfleet_schema::VERSION, worker: shared.config.worker_id.clone(), jobs: Vec::new(), error: None };
+    match cancel_all(shared, message).await {
+        Ok(jobs) => reply.jobs = jobs,
+        Err(error) => {
+            warn!(subject = %message.subject, error, "cannot handle a cancel request");
+            reply.error = Some(error);
+        }
+    }
+    reply
+}
+
+async fn cancel_all(shared: &Shared, message: &async_nats::Message) -> Result<Vec<CancelledJob>, String> {
+    let (project, target) = cancel::parse_subject(&message.subject)?;
+    let request: CancelRequest = if message.payload.is_empty() {
+        CancelRequest::default()
+    } else {
+        serde_json::from_slice(&message.payload).map_err(|e| format!("the request is not a CancelRequest: {e}"))?
+    };
+    if let Some(problem) = id_problem(&project, MAX_PROJECT_BYTES) {
+        return Err(format!("project `{project}` {problem}"));
+    }
+    let named: Vec<String> = if target == WHOLE_PROJECT { request.jobs.clone() } else { vec![target] };
+    if let Some((id, problem)) = named.iter().find_map(|id| id_problem(id, MAX_ID_BYTES).map(|p| (id, p))) {
+        return Err(format!("job id `{id}` {problem}"));
+    }
+    let queued = queued_jobs(shared, &project).await?;
+    let mut jobs: Vec<(String, String)> = if named.is_empty() {
+        let mut selected: Vec<(String, String)> = queued
+            .iter()
+            .filter(|q| request.shot.as_ref().is_none_or(|shot| *shot == q.shot_id))
+            .map(|q| (q.job_id.clone(), q.shot_id.clone()))
+            .collect();
+        selected.dedup_by(|a, b| a.0 == b.0);
+        selected
+    } else {
+        named.into_iter().map(|id| (id, String::new())).collect()
+    };
+    jobs.sort();
+    jobs.dedup_by(|a, b| a.0 == b.0);
+    let by = if request.by.trim().is_empty() { "an unnamed client".to_owned() } else { request.by.trim().to_owned() };
+    let mut answers = Vec::with_capacity(jobs.len());
+    for (job_id, shot_id) in jobs {
+        let copies: Vec<&Queued> = queued.iter().filter(|q| q.job_id == job_id).collect();
+        answers.push(cancel_one(shared, &project, &job_id, &shot_id, &copies, &by).await);
+    }
+    Ok(answers)
+}
+
+/// Every message of `project` in `SHOTS`, oldest first: queued, or delivered and not yet acked.
+async fn queued_jobs(shared: &Shared, project: &str) -> Result<Vec<Queued>, String> {
+    let stream = shared.js.get_stream(subject::JOBS_STREAM).await.map_err(|e| format!("cannot open SHOTS: {e}"))?;
+    let filter = format!("{}.*.*.{project}", subject::ROOT);
+    let mut found = Vec::new();
+    let mut next = 1;
+    loop {
+        let message = match stream.get_first_raw_message_by_subject(&filter, next).await {
+            Ok(message) => message,
+            Err(e) if e.kind() == RawMessageErrorKind::NoMessageFound => return Ok(found),
+            Err(e) => return Err(format!("cannot read the project's queued jobs: {e}")),
+        };
+        next = message.sequence + 1;
+        let content_type = message.headers.get(encoding::HEADER).map(|v| v.as_str().to_owned());
+        // An undecodable payload names no job: it fails as invalid when a worker takes it.
+        if let Ok(job) = encoding::decode_job(content_type.as_deref(), &message.payload) {
+            found.push(Queued { sequence: message.sequence, job_id: job.job_id, shot_id: job.shot_id, published: message.time.into() });
+        }
+    }
+}
+
+/// Cancels one job: claims the outcome, then removes its queued copies that the outcome settles.
+async fn cancel_one(shared: &Shared, project: &str, job_id: &str, shot_id: &str, copies: &[&Queued], by: &str) -> CancelledJob {
+    let shot_id = copies.first().map_or(shot_id, |q| q.shot_id.as_str()).to_owned();
+    let answer = |result, status, removed, detail: String| CancelledJob { job_id: job_id.to_owned(), shot_id: shot_id.clone(), result, status, removed, detail };
+    let last = match commit::last_outcome(shared, project, job_id).await {
+        Ok(last) => last,
+        Err(e) => return answer(CancelResult::Failed, None, 0, e.detail),
+    };
+    if let Some(outcome) = last.as_ref().filter(|o| o.result.is_rendered()) {
+        return finished(answer, outcome);
+    }
+    // Only the copies published after the last failure or cancellation are a live request.
+    let live: Vec<&Queued> = copies.iter().copied().filter(|q| last.as_ref().is_none_or(|o| !o.settles(q.published))).collect();
+    if live.is_empty() {
+        return match &last {
+            Some(outcome) => finished(answer, outcome),
+            None => answer(CancelResult::Unknown, None, 0, format!("no job `{job_id}` is queued, running or finished in project `{project}`")),
+        };
+    }
+    let expected = last.as_ref().map_or(0, |o| o.sequence);
+    let cancelled = cancelled_outcome(shared, project, job_id, &shot_id, by);
+    match commit::claim_as(shared, &cancelled, expected, subject::msg_id::cancel(job_id, expected)).await {
+        Ok(Claim::Ours) => {
+            let removed = remove(shared, &live).await;
+            info!(job = job_id, project, by, removed, "cancelled");
+            answer(CancelResult::Cancelled, Some(ResultStatus::Cancelled), removed, format!("cancelled by {by}"))
+        }
+        Ok(Claim::Theirs(theirs)) if theirs.result.status == ResultStatus::Cancelled => {
+            let detail = theirs.result.failure.as_ref().map_or_else(String::new, |f| f.detail.clone());
+            answer(CancelResult::Cancelled, Some(ResultStatus::Cancelled), 0, detail)
+        }
+        Ok(Claim::Theirs(theirs)) => finished(answer, &theirs),
+        Err(e) => answer(CancelResult::Failed, None, 0, e.detail),
+    }
+}
+
+fn finished(answer: impl Fn(CancelResult, Option<ResultStatus>, u32, String) -> CancelledJob, outcome: &Outcome) -> CancelledJob {
+    let result = &outcome.result;
+    let detail = match &result.failure {
+        Some(failure) => failure.detail.clone(),
+        None => format!("rendered by {}", result.worker),
+    };
+    answer(CancelResult::AlreadyFinished, Some(result.status), 0, detail)
+}
+
+/// The `cancelled` outcome this worker claims for a client.
+fn cancelled_outcome(shared: &Shared, project: &str, job_id: &str, shot_id: &str, by: &str) -> ShotResult {
+    ShotResult {
+        v: shotfleet_schema::VERSION,
+        job_id: job_id.to_owned(),
+        project: project.to_owned(),
+        shot_id: shot_id.to_owned(),
+        status: ResultStatus::Cancelled,
+        images: Vec::new(),
+        degrade: None,
+        worker: shared.config.worker_id.clone(),
+        device: shared.device_name.clone(),
+        attempt: 0,
+        timing: Timing::default(),
+        finished_at_ms: now_ms(),
+        failure: Some(Failure { reason: None, detail: format!("cancelled by {by}"), attempts: 0 }),
+    }
+}
+
+/// Deletes the cancelled copies from `SHOTS`; returns how many went. A copy a worker holds goes
+/// too: its holder stops on the outcome, and its ack of a deleted message changes nothing.
+async fn remove(shared: &Shared, copies: &[&Queued]) -> u32 {
+    let Ok(stream) = shared.js.get_stream(subject::JOBS_STREAM).await else { return 0 };
+    let mut removed = 0;
+    for copy in copies {
+        match stream.delete_message(copy.sequence).await {
+            Ok(_) => removed += 1,
+            // Taken and acked meanwhile (settled by the outcome), or never there: nothing to do.
+            Err(e) => info!(job = %copy.job_id, seq = copy.sequence, error = %e, "queued copy not removed"),
+        }
+    }
+    removed
+}

@@ -1,0 +1,50 @@
+//! Answers `shots.workers.ping` with this worker's [`WorkerState`]: what `shotfleet status`
+//! shows of the fleet (also of idle workers, which send no progress events), and how it tells
+//! that jobs wait in a class no live worker serves or can admit.
+
+use std::sync::Arc;
+
+use futures::StreamExt;
+use shotfleet_schema::progress::{GpuMemory, PING_SUBJECT, WorkerState};
+use tracing::warn;
+
+use crate::worker::Shared;
+use crate::worker::commit::now_ms;
+
+/// Subscribes to pings.
+///
+/// # Errors
+/// The subscription's failure.
+pub async fn subscribe(client: &async_nats::Client) -> Result<async_nats::Subscriber, async_nats::SubscribeError> {
+    client.subscribe(PING_SUBJECT).await
+}
+
+/// Answers pings until the subscription ends.
+pub fn listen(shared: Arc<Shared>, mut pings: async_nats::Subscriber) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        while let Some(ping) = pings.next().await {
+            let Some(to) = ping.reply else { continue };
+            let payload = serde_json::to_vec(&state(&shared)).expect("states serialize");
+            if let Err(e) = shared.js.client().publish(to, payload.into()).await {
+                warn!(error = %e, "cannot answer a ping");
+            }
+        }
+    })
+}
+
+/// This worker now.
+pub fn state(shared: &Shared) -> WorkerState {
+    let classes = &shared.config.classes;
+    let status = shared.budget.status().ok();
+    WorkerState {
+        v: shotfleet_schema::VERSION,
+        worker: shared.config.worker_id.clone(),
+        device: shared.device_name.clone(),
+        serves: classes.to_vec(),
+        admits: shared.budget.admits_when_idle(classes).unwrap_or_default(),
+        gpu: status.as_ref().map_or_else(GpuMemory::default, |s| GpuMemory { used_bytes: s.used, total_bytes: s.total, budget_bytes: s.budget }),
+        in_flight: status.map_or(0, |s| s.in_flight),
+        taking_jobs: !shared.stop.is_cancelled(),
+        at_ms: now_ms(),
+    }
+}

@@ -1,0 +1,213 @@
+//! The fleet as clients see it: workers answering `shots.workers.ping` ([`WorkerState`]),
+//! workers seen through progress events ([`ShotProgress`]), and the warnings a queue deserves
+//! when no live worker serves or can admit its class.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use shotfleet_schema::progress::{PING_SUBJECT, ProgressEvent, ShotProgress, WorkerState};
+use shotfleet_schema::{GpuMemory, MemoryClass, SubjectClass};
+
+use crate::status::Status;
+
+/// A worker counts as live this long after it was last heard of.
+pub const LIVE_FOR: Duration = Duration::from_secs(60);
+
+/// What is known of one worker.
+#[derive(Debug, Clone, Default)]
+pub struct Worker {
+    /// From its last answer to a ping (none for a worker seen only through progress events).
+    pub state: Option<WorkerState>,
+    pub gpu: Option<GpuMemory>,
+    /// The jobs it holds (`project/job_id`), from progress events.
+    pub holds: BTreeMap<String, ShotProgress>,
+    pub seen: Option<Instant>,
+}
+
+/// Every worker heard of.
+#[derive(Debug, Clone, Default)]
+pub struct Fleet {
+    pub workers: BTreeMap<String, Worker>,
+}
+
+impl Fleet {
+    /// Records a worker's answer to a ping.
+    pub fn answered(&mut self, state: WorkerState, at: Instant) {
+        let worker = self.workers.entry(state.worker.clone()).or_default();
+        worker.gpu = Some(state.gpu);
+        worker.state = Some(state);
+        worker.seen = Some(at);
+    }
+
+    /// Records a progress event.
+    pub fn progressed(&mut self, event: ShotProgress, at: Instant) {
+        let worker = self.workers.entry(event.worker.clone()).or_default();
+        worker.seen = Some(at);
+        if let Some(gpu) = event.gpu {
+            worker.gpu = Some(gpu);
+        }
+        let key = format!("{}/{}", event.project, event.job_id);
+        match event.event {
+            ProgressEvent::Taken | ProgressEvent::Step => {
+                worker.holds.insert(key, event);
+            }
+            ProgressEvent::Queued | ProgressEvent::Settled => {
+                worker.holds.remove(&key);
+            }
+        }
+    }
+
+    /// Workers heard of within [`LIVE_FOR`] of `now`.
+    pub fn live(&self, now: Instant) -> impl Iterator<Item = (&String, &Worker)> {
+        self.workers.iter().filter(move |(_, w)| w.seen.is_some_and(|seen| now.duration_since(seen) <= LIVE_FOR))
+    }
+
+    /// One line per queue whose jobs wait in a class that no live worker serves, or that none
+    /// can admit (its largest one-image job is over every live worker's budget). Only workers
+    /// that answered a ping say what they serve: without any, every waiting class is named.
+    pub fn warnings(&self, status: &Status, now: Instant) -> Vec<String> {
+        let states: Vec<&WorkerState> = self.live(now).filter_map(|(_, w)| w.state.as_ref()).filter(|s| s.taking_jobs).collect();
+        let serves: BTreeSet<MemoryClass> = states.iter().flat_map(|s| s.serves.iter().copied()).collect();
+        let admits: BTreeSet<MemoryClass> = states.iter().flat_map(|s| s.admits.iter().copied()).collect();
+        let mut lines = Vec::new();
+        for queue in status.queues.iter().filter(|q| q.pending + q.in_progress > 0) {
+            let waiting = queue.pending + queue.in_progress;
+            let why = match queue.class {
+                _ if states.is_empty() => Some("no live worker answers (is the fleet running?)".to_owned()),
+                SubjectClass::Auto => None,
+                SubjectClass::Class(class) if !serves.contains(&class) => {
+                    Some(format!("no live worker serves class {class} (they serve {})", names(&serves)))
+                }
+                SubjectClass::Class(class) if !admits.contains(&class) => Some(format!(
+                    "no live worker can admit class {class}: its largest image is over every budget (they admit {})",
+                    names(&admits)
+                )),
+                SubjectClass::Class(_) => None,
+            };
+            if let Some(why) = why {
+                lines.push(format!("warning: {waiting} job(s) wait in {}: {why}", queue.consumer));
+            }
+        }
+        lines
+    }
+}
+
+fn names(classes: &BTreeSet<MemoryClass>) -> String {
+    if classes.is_empty() {
+        return "none".into();
+    }
+    classes.iter().map(|c| c.as_str()).collect::<Vec<_>>().join(", ")
+}
+
+/// Asks every worker for its state and collects the answers that arrive within `wait`.
+///
+/// # Errors
+/// The NATS client's failure to subscribe or publish.
+pub async fn ping(client: &async_nats::Client, wait: Duration) -> Result<Vec<WorkerState>, String> {
+    let inbox = client.new_inbox();
+    let mut answers = client.subscribe(inbox.clone()).await.map_err(|e| e.to_string())?;
+    client.publish_with_reply(PING_SUBJECT, inbox, bytes::Bytes::new()).await.map_err(|e| e.to_string())?;
+    let mut states = Vec::new();
+    let deadline = tokio::time::Instant::now() + wait;
+    while let Ok(Some(message)) = tokio::time::timeout_at(deadline, answers.next()).await {
+        if let Ok(state) = serde_json::from_slice::<WorkerState>(&message.payload) {
+            states.push(state);
+        }
+    }
+    Ok(states)
+}
+
+/// Sends a ping whose answers arrive on `inbox` (a subscription the caller reads).
+///
+/// # Errors
+/// The NATS client's failure to publish.
+pub async fn ping_to(client: &async_nats::Client, inbox: &str) -> Result<(), String> {
+    client.publish_with_reply(PING_SUBJECT, inbox.to_owned(), bytes::Bytes::new()).await.map_err(|e| e.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::status::QueueStatus;
+    use shotfleet_schema::Priority;
+
+    fn queue(class: SubjectClass, pending: u64) -> QueueStatus {
+        let (consumer, _) = shotfleet_schema::subject::consumer(Priority::P1, class);
+        QueueStatus { consumer, priority: Priority::P1, class, pending, in_progress: 0, redelivered: 0, oldest: None }
+    }
+
+    fn worker(name: &str, serves: &[MemoryClass], admits: &[MemoryClass]) -> WorkerState {
+        WorkerState {
+            v: 1,
+            worker: name.into(),
+            device: "card".into(),
+            serves: serves.to_vec(),
+            admits: admits.to_vec(),
+            gpu: GpuMemory::default(),
+            in_flight: 0,
+            taking_jobs: true,
+            at_ms: 0,
+        }
+    }
+
+    #[test]
+    fn waiting_classes_without_a_live_server_or_room_are_named() {
+        use MemoryClass::{L, M, S, Xl, Xs};
+        let status = Status {
+            queues: vec![
+                queue(SubjectClass::Class(Xs), 2),
+                queue(SubjectClass::Class(M), 1),
+                queue(SubjectClass::Class(Xl), 3),
+                queue(SubjectClass::Class(L), 0),
+                queue(SubjectClass::Auto, 4),
+            ],
+            ..Status::default()
+        };
+        let now = Instant::now();
+        let mut fleet = Fleet::default();
+        let none = fleet.warnings(&status, now);
+        assert_eq!(none.len(), 4, "with no live worker every waiting queue is named: {none:?}");
+        assert!(none.iter().all(|w| w.contains("no live worker answers")), "{none:?}");
+
+        fleet.answered(worker("small", &[Xs, S, M], &[Xs, S]), now);
+        let warnings = fleet.warnings(&status, now);
+        assert_eq!(warnings.len(), 2, "{warnings:?}");
+        assert!(warnings[0].contains("render-p1-m") && warnings[0].contains("no live worker can admit class m"), "{warnings:?}");
+        assert!(warnings[1].contains("render-p1-xl") && warnings[1].contains("no live worker serves class xl (they serve xs, s, m)"), "{warnings:?}");
+
+        // A worker not heard of for a minute no longer counts.
+        let later = now + LIVE_FOR + Duration::from_secs(1);
+        assert_eq!(fleet.warnings(&status, later).len(), 4);
+    }
+
+    #[test]
+    fn progress_events_say_what_a_worker_holds() {
+        let now = Instant::now();
+        let mut fleet = Fleet::default();
+        let event = |kind| ShotProgress {
+            v: 1,
+            project: "p".into(),
+            job_id: "j".into(),
+            shot_id: "s".into(),
+            event: kind,
+            worker: "w".into(),
+            step: 3,
+            steps: 30,
+            batch: 1,
+            images_done: 0,
+            images: 1,
+            elapsed_ms: 0,
+            degrade_level: 0,
+            detail: None,
+            gpu: Some(GpuMemory { used_bytes: 1, total_bytes: 2, budget_bytes: 1 }),
+            at_ms: 0,
+        };
+        fleet.progressed(event(ProgressEvent::Step), now);
+        assert_eq!(fleet.workers["w"].holds.len(), 1);
+        assert_eq!(fleet.workers["w"].gpu.map(|g| g.total_bytes), Some(2));
+        fleet.progressed(event(ProgressEvent::Settled), now);
+        assert!(fleet.workers["w"].holds.is_empty());
+        assert_eq!(fleet.live(now).count(), 1);
+    }
+}

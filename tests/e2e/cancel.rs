@@ -1,0 +1,80 @@
+//! `shotfleet cancel` end to end: a worker mid-render (tiny model, many steps) stops at its next
+//! step and sweeps its uploads, queued jobs behind it are removed from SHOTS without rendering,
+//! a job of a class nobody serves is cancelled by its shot, and every job ends with exactly one
+//! outcome of status `cancelled` that `--wait` sees. A finished job is left alone; an unknown one
+//! is reported.
+
+#[path = "seeing.rs"]
+mod seeing;
+
+use std::time::{Duration, Instant};
+
+use seeing::{OneWorker, progress_events, shotfleet, text, wait_for};
+use shotfleet_producer::wait::Outcome;
+use shotfleet_schema::progress::ProgressEvent;
+use shotfleet_schema::{Priority, ResultStatus, ShotResult, subject};
+use shotfleet_tests::{job, outcomes, shot, submit, wait_settled};
+
+async fn last_outcome(js: &async_nats::jetstream::Context, project: &str, job_id: &str) -> ShotResult {
+    let stream = js.get_stream(subject::RESULTS_STREAM).await.unwrap();
+    let message = stream.direct_get_last_for_subject(subject::result(project, job_id)).await.expect("an outcome");
+    serde_json::from_slice(&message.payload).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn cancel_stops_a_render_and_removes_queued_jobs() {
+    let fleet = OneWorker::start().await;
+    let (js, store) = (&fleet.js, &fleet.store);
+    let mut events = progress_events(&js.client(), "cx").await;
+
+    // One long render holds the only slot; two jobs wait behind it, one more in a class
+    // nobody serves.
+    let long = job("cx-long", "cx", (128, 128), 150, 4);
+    let (queued, kept) = (job("cx-q1", "cx", (64, 64), 2, 1), job("cx-q2", "cx", (64, 64), 2, 1));
+    let mut stuck = job("cx-xl", "cx", (1600, 1600), 1, 1);
+    stuck.shot_id = "s-xl".into();
+    let shots = vec![shot(Priority::P1, long), shot(Priority::P1, queued), shot(Priority::P1, kept), shot(Priority::P1, stuck)];
+    submit(js, &shots).await;
+    let step = wait_for(&mut events, "cx-long", ProgressEvent::Step).await;
+    assert!(step.step < step.steps, "the render is under way: {step:?}");
+
+    let started = Instant::now();
+    let out = shotfleet(&fleet.url(), &["cancel", "--project", "cx", "--by", "tester", "cx-long", "cx-q1"]).await;
+    let said = text(&out);
+    assert!(out.status.success(), "{said}");
+    assert!(said.contains("cx-long") && said.contains("cx-q1") && said.contains("2 cancelled"), "{said}");
+    // The render stops at its next step: long before its 150 x 4 steps.
+    let settled = wait_for(&mut events, "cx-long", ProgressEvent::Settled).await;
+    assert!(started.elapsed() < Duration::from_secs(20), "stopped after {:?}", started.elapsed());
+    let out = shotfleet(&fleet.url(), &["cancel", "--project", "cx", "--shot", "s-xl"]).await;
+    assert!(out.status.success() && text(&out).contains("cx-xl"), "{}", text(&out));
+
+    // Every job has one outcome; the cancelled ones say who.
+    let ended = outcomes(js, &shots, Duration::from_secs(60)).await;
+    for id in ["cx-long", "cx-q1", "cx-xl"] {
+        match &ended[id] {
+            Outcome::Failed { reason, detail, .. } => assert!(reason == "cancelled" && detail.contains("cancelled by"), "{id}: {reason}: {detail}"),
+            other => panic!("{id} was not cancelled: {other:?}"),
+        }
+        let result = last_outcome(js, "cx", id).await;
+        assert_eq!(result.status, ResultStatus::Cancelled, "{id}");
+    }
+    assert_eq!(last_outcome(js, "cx", "cx-long").await.failure.unwrap().detail, "cancelled by tester");
+    assert!(matches!(&ended["cx-q2"], Outcome::Done(_)), "the job behind the cancelled ones renders: {:?}", ended["cx-q2"]);
+    wait_settled(js, Duration::from_secs(30)).await;
+    // Nothing of the stopped render is left, and the queued job was never rendered.
+    for id in ["cx-long", "cx-q1"] {
+        let folder = store.path().join("cx").join(id);
+        let left: Vec<_> = std::fs::read_dir(&folder).map(|d| d.flatten().map(|e| e.path()).collect()).unwrap_or_default();
+        assert!(left.is_empty(), "{id} left {left:?}");
+    }
+    assert!(settled.images_done < 4, "stopped before finishing: {settled:?}");
+
+    // Cancelling what is finished changes nothing; an unknown job is said to be so.
+    let out = shotfleet(&fleet.url(), &["cancel", "--project", "cx", "cx-q2"]).await;
+    assert!(out.status.success() && text(&out).contains("already finished"), "{}", text(&out));
+    assert_eq!(last_outcome(js, "cx", "cx-q2").await.status, ResultStatus::Done);
+    let out = shotfleet(&fleet.url(), &["cancel", "--project", "cx", "nope"]).await;
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert!(text(&out).contains("unknown"), "{}", text(&out));
+}

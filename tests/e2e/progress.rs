@@ -1,0 +1,102 @@
+//! Seeing the work while it runs: progress events (a few a second at most, from taken to
+//! settled), followed from Python as the README shows; `submit --wait` off a terminal prints
+//! who holds each shot, its steps and the queue positions of the rest; `status` and
+//! `status --watch` list the live worker and warn about a class no live worker serves.
+
+#[path = "seeing.rs"]
+mod seeing;
+
+use std::io::BufRead as _;
+use std::time::Duration;
+
+use seeing::{OneWorker, shotfleet, text};
+use shotfleet_schema::Priority;
+use shotfleet_testkit::paths;
+use shotfleet_tests::{binary, job, shot, submit};
+
+#[tokio::test(flavor = "multi_thread")]
+async fn python_follows_a_job_from_taken_to_settled() {
+    let fleet = OneWorker::start().await;
+    let js = &fleet.js;
+
+    let script = paths::repo_root().join("tests/python/follow_progress.py");
+    let mut follower = std::process::Command::new(paths::require(paths::python(), "the venv's python"))
+        .args([script.to_str().unwrap(), &fleet.url(), "pp", "pp-1"])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = std::io::BufReader::new(follower.stdout.take().unwrap()).lines();
+    assert_eq!(lines.next().unwrap().unwrap(), "ready");
+    submit(js, &[shot(Priority::P1, job("pp-1", "pp", (128, 128), 60, 2))]).await;
+    let events: Vec<String> = tokio::task::spawn_blocking(move || lines.map_while(Result::ok).collect()).await.unwrap();
+    assert!(follower.wait().unwrap().success(), "{events:?}");
+    assert!(events.first().is_some_and(|e| e.starts_with("taken w1 step 0/60 images 0/2")), "{events:?}");
+    assert!(events.last().is_some_and(|e| e.starts_with("settled w1")), "{events:?}");
+    let steps: Vec<&String> = events.iter().filter(|e| e.starts_with("step w1")).collect();
+    assert!(!steps.is_empty(), "{events:?}");
+    // Throttled: 2 x 60 steps, a few events a second at most.
+    assert!(steps.len() < 60, "{} step events", steps.len());
+
+    // The README's snippet is the script's, word for word.
+    let source = std::fs::read_to_string(&script).unwrap();
+    let snippet: String = source
+        .split("# README: begin\n")
+        .nth(1)
+        .and_then(|rest| rest.split("    # README: end").next())
+        .unwrap()
+        .lines()
+        .map(|line| line.strip_prefix("    ").unwrap_or(line))
+        .map(|line| format!("{line}\n"))
+        .collect();
+    let readme = std::fs::read_to_string(paths::repo_root().join("README.md")).unwrap();
+    assert!(readme.contains(&snippet), "README.md lacks the snippet of follow_progress.py:\n{snippet}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn submit_wait_shows_holders_steps_and_queue_positions() {
+    let fleet = OneWorker::start().await;
+    let board = tempfile::NamedTempFile::with_suffix(".jsonl").unwrap();
+    let lines: Vec<String> = (1..=6)
+        .map(|n| serde_json::to_string(&job(&format!("sw-{n}"), "sw", (128, 128), 40, 2)).unwrap())
+        .collect();
+    std::fs::write(board.path(), lines.join("\n")).unwrap();
+    let out = shotfleet(&fleet.url(), &["submit", board.path().to_str().unwrap(), "--wait", "--timeout", "3m"]).await;
+    let said = text(&out);
+    assert!(out.status.success(), "{said}");
+    assert!(said.contains("sw-1: taken by w1"), "{said}");
+    assert!(said.contains("sw-1: step "), "{said}");
+    assert!(said.contains("sw-6: done: 2 image(s)"), "{said}");
+    // Positions of the shots behind: sw-6 waits behind the others at first.
+    assert!(said.lines().any(|l| l.contains("waiting in the queue") && l.contains("sw-6 #")), "{said}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn status_names_live_workers_and_classes_nobody_serves() {
+    let fleet = OneWorker::start().await;
+    let js = &fleet.js;
+    // A small fleet (xs and s) and a job labelled xl: it would wait forever, silently.
+    submit(js, &[shot(Priority::P1, job("big-1", "st", (1600, 1600), 1, 1))]).await;
+
+    let out = shotfleet(&fleet.url(), &["status"]).await;
+    let said = text(&out);
+    assert!(out.status.success(), "{said}");
+    assert!(said.contains("w1") && said.contains("xs,s"), "{said}");
+    assert!(said.contains("warning: 1 job(s) wait in render-p1-xl: no live worker serves class xl"), "{said}");
+
+    // --watch off a terminal: one frame a second until interrupted.
+    let mut watch = tokio::process::Command::new(binary("shotfleet"))
+        .args(["status", "--watch"])
+        .env("NATS_URL", fleet.url())
+        .stdout(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(3500)).await;
+    watch.start_kill().unwrap();
+    let out = watch.wait_with_output().await.unwrap();
+    let said = String::from_utf8_lossy(&out.stdout);
+    let frames = said.matches("consumer ").count();
+    assert!(frames >= 2, "{frames} frame(s):\n{said}");
+    assert!(said.contains("no live worker serves class xl"), "{said}");
+    assert!(said.lines().any(|l| l.trim_start().starts_with("w1 ")), "{said}");
+}
