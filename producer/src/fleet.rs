@@ -5,9 +5,10 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
-use futures::StreamExt;
 use shotfleet_schema::progress::{PING_SUBJECT, ProgressEvent, ShotProgress, WorkerState};
 use shotfleet_schema::{GpuMemory, MemoryClass, SubjectClass};
+
+pub use shotfleet_schema::nats::ping;
 
 use crate::status::Status;
 
@@ -98,24 +99,6 @@ fn names(classes: &BTreeSet<MemoryClass>) -> String {
         return "none".into();
     }
     classes.iter().map(|c| c.as_str()).collect::<Vec<_>>().join(", ")
-}
-
-/// Asks every worker for its state and collects the answers that arrive within `wait`.
-///
-/// # Errors
-/// The NATS client's failure to subscribe or publish.
-pub async fn ping(client: &async_nats::Client, wait: Duration) -> Result<Vec<WorkerState>, String> {
-    let inbox = client.new_inbox();
-    let mut answers = client.subscribe(inbox.clone()).await.map_err(|e| e.to_string())?;
-    client.publish_with_reply(PING_SUBJECT, inbox, bytes::Bytes::new()).await.map_err(|e| e.to_string())?;
-    let mut states = Vec::new();
-    let deadline = tokio::time::Instant::now() + wait;
-    while let Ok(Some(message)) = tokio::time::timeout_at(deadline, answers.next()).await {
-        if let Ok(state) = serde_json::from_slice::<WorkerState>(&message.payload) {
-            states.push(state);
-        }
-    }
-    Ok(states)
 }
 
 /// Sends a ping whose answers arrive on `inbox` (a subscription the caller reads).

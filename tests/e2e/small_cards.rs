@@ -75,7 +75,7 @@ async fn a_probe_that_runs_out_of_memory_is_the_cards_ceiling_and_the_worker_ser
     let done = results(&outcomes(&js, &[small], Duration::from_secs(60)).await);
     assert_eq!(done[0].worker, "capped");
     assert_eq!(waiting(&js, "render-p0-s").await, (1, 0), "the s job was never fetched:\n{}", worker.log());
-    assert!(!worker.metrics().contains("shotfleet_out_of_memory_total"), "no job ran out of memory:\n{}", worker.log());
+    assert!(worker.metrics().contains("shotfleet_out_of_memory_total 0"), "no job ran out of memory:\n{}", worker.log());
 }
 
 #[tokio::test]
@@ -184,4 +184,29 @@ fn plain(log: &str) -> String {
         }
     }
     out
+}
+
+#[tokio::test]
+async fn a_class_no_live_worker_holds_goes_one_rung_down_after_the_handoff() {
+    let server = NatsServer::start();
+    let js = jetstream_with(&server.url(), &Topology::default()).await;
+    let store = tempfile::tempdir().unwrap();
+    // A fleet of one small card: it serves xs only, and gives a larger class 2 s for a roomier
+    // worker to show up.
+    let mut spec = WorkerSpec::new("xs-only", store.path());
+    spec.classes = "[\"xs\"]";
+    spec.extra = "[degrade]\nhandoff = \"2s\"\n".into();
+    let worker = Worker::start(&server.url(), spec);
+    let mut big = job("too-big-1", "acme", (768, 768), 2, 1);
+    big.floor = Some(shotfleet_schema::Floor { min_side: 256, min_steps: 0 });
+    let big = shot(Priority::P1, big);
+    submit(&js, std::slice::from_ref(&big)).await;
+    let result = results(&outcomes(&js, &[big], Duration::from_secs(60)).await).remove(0);
+    assert_eq!(result.status, shotfleet_schema::ResultStatus::Degraded, "{}", worker.log());
+    let degrade = result.degrade.expect("degraded");
+    assert_eq!((degrade.from.width, degrade.from.height), (768, 768));
+    assert_eq!((result.images[0].width, result.images[0].height), (512, 512), "one class down, into xs");
+    assert!(worker.log().contains("no live worker holds this class"), "{}", worker.log());
+    // Nothing is left in the queue: the job did not wait forever.
+    wait_settled(&js, Duration::from_secs(20)).await;
 }

@@ -43,6 +43,7 @@ pub mod route;
 pub mod settle;
 pub mod serving;
 pub mod startup;
+pub mod unserved;
 pub mod watch;
 
 use std::future::Future;
@@ -277,6 +278,8 @@ pub async fn run(
     let ready = startup::prepare(&config).await.inspect_err(|e| health.set_not_ready(e.to_string()))?;
     // Consumers were bound for every candidate class; from here on only those served are fetched.
     let config = serving::serve(config, &ready.classes, &health).inspect_err(|e| health.set_not_ready(e.to_string()))?;
+    let unserved =
+        unserved::Unserved::bind(&jobs_stream, &config.classes).await.map_err(|e| WorkerError::start("bind consumers", e))?;
     let device_name = ready.probe.snapshot().map(|s| s.device).unwrap_or_else(|_| "unknown".into());
     let progress_interval = config.progress_interval.unwrap_or(ack_wait / 3).max(Duration::from_millis(100));
     let meter = (config.concurrency == 1).then_some(ready.meter);
@@ -312,6 +315,7 @@ pub async fn run(
 
     let tracker = TaskTracker::new();
     let mut guard = leak::LeakGuard::new(&shared).await;
+    let _unserved = unserved.watch(shared.clone());
     fetch_loop(&shared, &consumers, &tracker, &mut guard).await;
 
     // Shutdown: no more fetching; in-flight jobs get the grace period, then are cancelled.

@@ -7,11 +7,13 @@
 #[cfg(feature = "cli")]
 pub mod args;
 pub mod connect;
+pub mod ping;
 pub mod topology;
 
 #[cfg(feature = "cli")]
 pub use args::NatsArgs;
 pub use connect::{ConnectError, NatsOptions, redact};
+pub use ping::ping;
 pub use topology::{Topology, TopologyError, TopologyReport};
 
 /// A header map from `(name, value)` pairs, never panicking: async-nats panics on a value with

@@ -1,0 +1,131 @@
+//! Jobs of a class no live worker can hold. A fleet of small cards never fetches a class larger
+//! than its budget admits, so such a job would wait in the queue forever. Every worker looks
+//! every `[degrade] handoff`, beside its fetch loop: when no live worker (itself included)
+//! admits a larger class and the oldest job of it has waited that long, the worker takes it
+//! and sends it one rung down the degrade ladder without rendering (a smaller class, which the
+//! fleet can hold), or fails it with reason `oom` below its floor. A job of a class some live
+//! worker admits is left to that worker, however busy it is: degrading is the last resort.
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_nats::jetstream::consumer::PullConsumer;
+use async_nats::jetstream::stream::Stream;
+use futures::StreamExt;
+use shotfleet_schema::MemoryClass;
+use shotfleet_schema::subject::{self, Priority, SubjectClass};
+use tracing::info;
+
+use crate::failure::{ErrorKind, JobError};
+use crate::worker::Shared;
+use crate::worker::delivery::{Delivery, Origin};
+use crate::worker::job::{self, Next};
+use crate::worker::settle::{Handled, settle};
+
+/// How long the fleet's answers to a ping are collected.
+const PING_WAIT: Duration = Duration::from_secs(1);
+
+/// The consumers of the classes above the ones this worker serves.
+pub struct Unserved {
+    stream: Stream,
+    consumers: Vec<(Origin, PullConsumer)>,
+}
+
+impl Unserved {
+    /// Binds the consumers of every class larger than the largest of `served`.
+    ///
+    /// # Errors
+    /// A consumer that is missing, with the command that creates it.
+    pub async fn bind(stream: &Stream, served: &[MemoryClass]) -> Result<Self, String> {
+        let largest = served.iter().max().copied();
+        let mut consumers = Vec::new();
+        for &priority in Priority::ALL {
+            for &class in MemoryClass::ALL.iter().filter(|&&c| largest.is_some_and(|l| c > l)) {
+                let (name, _) = subject::consumer(priority, SubjectClass::Class(class));
+                let consumer: PullConsumer = stream
+                    .get_consumer(&name)
+                    .await
+                    .map_err(|e| format!("consumer {name} is missing ({e}); run `shotfleet setup` against this server"))?;
+                consumers.push((Origin { priority, class: SubjectClass::Class(class) }, consumer));
+            }
+        }
+        Ok(Self { stream: stream.clone(), consumers })
+    }
+
+    /// Looks every `[degrade] handoff` until the worker stops.
+    pub fn watch(mut self, shared: Arc<Shared>) -> tokio::task::JoinHandle<()> {
+        tokio::spawn(async move {
+            if self.consumers.is_empty() {
+                return;
+            }
+            let mut ticker = tokio::time::interval(shared.config.degrade.handoff);
+            ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tokio::select! {
+                    () = shared.stop.cancelled() => return,
+                    _ = ticker.tick() => {}
+                }
+                while self.look(&shared).await {}
+            }
+        })
+    }
+
+    /// Asks the fleet which classes it admits and degrades the oldest job of each larger class
+    /// nobody admits, if it waited `[degrade] handoff`. Whether it took any.
+    async fn look(&mut self, shared: &Arc<Shared>) -> bool {
+        let handoff = shared.config.degrade.handoff;
+        let admitted = match shotfleet_schema::nats::ping(&shared.js.client(), PING_WAIT).await {
+            Ok(states) => states.into_iter().filter(|s| s.taking_jobs).flat_map(|s| s.admits).collect::<BTreeSet<_>>(),
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot ask the fleet what it holds; leaving larger classes queued");
+                return false;
+            }
+        };
+        let mut took = false;
+        for (origin, consumer) in &self.consumers {
+            let SubjectClass::Class(class) = origin.class else { continue };
+            // Read, not fetched: a job that has not waited long enough is not delivered (a
+            // delivery would count towards its consumer's `max_deliver`).
+            if admitted.contains(&class) || !self.waited(*origin, handoff).await {
+                continue;
+            }
+            let Some(delivery) = oldest(consumer, *origin).await else { continue };
+            took = true;
+            degrade_unheld(shared, delivery, class).await;
+        }
+        took
+    }
+
+    /// Whether the oldest job queued for `origin`'s consumer has waited `handoff`.
+    async fn waited(&self, origin: Origin, handoff: Duration) -> bool {
+        let (_, filter) = subject::consumer(origin.priority, origin.class);
+        match self.stream.direct_get_first_for_subject(filter).await {
+            Ok(message) => std::time::SystemTime::now()
+                .duration_since(message.time.into())
+                .is_ok_and(|waited| waited >= handoff),
+            Err(_) => false,
+        }
+    }
+}
+
+/// The oldest job waiting on `consumer`, if any.
+async fn oldest(consumer: &PullConsumer, origin: Origin) -> Option<Delivery> {
+    let mut batch = consumer.fetch().max_messages(1).messages().await.ok()?;
+    batch.next().await.and_then(Result::ok).map(|message| Delivery::new(message, origin))
+}
+
+/// Sends a job of a class no live worker holds one rung down, without rendering it.
+async fn degrade_unheld(shared: &Arc<Shared>, delivery: Delivery, class: MemoryClass) {
+    let waited = delivery.queued;
+    let (taken, next) = job::take(shared, delivery).await;
+    let handled = match next {
+        Next::Settle(handled) => handled,
+        Next::Render => {
+            info!(job = %taken.job().job_id, class = %class, waited_s = waited.as_secs(), "no live worker holds this class: degrading without rendering");
+            let detail = format!("no live worker holds class {class} after {}s in the queue", waited.as_secs());
+            Handled::Stopped(JobError::new(ErrorKind::Oom, detail))
+        }
+    };
+    settle(shared, &taken.held(), handled).await;
+}
