@@ -334,8 +334,12 @@ pub async fn run(
         Ok(Err(e)) => warn!(error = %e, "flushing the NATS connection failed; naks may be lost"),
         Err(_) => warn!("flushing the NATS connection took over 5 s; naks may be lost"),
     }
-    if let Err(e) = client.drain().await {
-        warn!(error = %e, "draining the NATS connection failed");
+    // Bounded: with the server gone, a drain waits for it forever, and the process would keep
+    // its GPU memory until NATS came back.
+    match tokio::time::timeout(Duration::from_secs(10), client.drain()).await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => warn!(error = %e, "draining the NATS connection failed"),
+        Err(_) => warn!("draining the NATS connection took over 10 s; exiting without it"),
     }
     if !shutdown_requested.is_cancelled() {
         // Stopped by a fault or the leak guard, not by a signal: the telemetry server stops too.
