@@ -3,7 +3,7 @@
 //!
 //! ```toml
 //! [supervisor]
-//! listen = "127.0.0.1:9399"        # the box's /healthz, /readyz, /status, /metrics
+//! listen = "127.0.0.1:9399"        # the box's /healthz, /readyz, /status, /metrics (SHOTFLEET_BOX_ADDR)
 //! metrics_ports = [9400, 9401]     # each worker's port, in the order of --gpus; default: the
 //!                                  # [telemetry] listen port + N for gpuN (9400 + N)
 //! restart_backoff = "1s"           # the first restart's delay, doubling per quick exit ...
@@ -36,7 +36,8 @@ pub const SET_PER_WORKER: &[(&str, &str)] = &[
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct SupervisorConfig {
-    /// The box's health and status port. Loopback by default, as the workers' ports are.
+    /// The box's health and status port (`SHOTFLEET_BOX_ADDR`). Loopback by default, as the
+    /// workers' ports are.
     pub listen: SocketAddr,
     /// Each worker's metrics and health port, in the order of `--gpus`; empty: the `[telemetry]`
     /// listen port + N for gpuN, as `shotfleet-consumer@N.service` uses.

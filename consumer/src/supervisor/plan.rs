@@ -22,6 +22,8 @@ use super::config::{SupervisorConfig, merge};
 
 /// The environment variable of `--gpus`: a worker must not see it, or it would supervise too.
 pub const GPUS_VARIABLE: &str = "SHOTFLEET_GPUS";
+/// Overrides `[supervisor] listen`, as `SHOTFLEET_METRICS_ADDR` does a worker's port.
+pub const BOX_ADDR_VARIABLE: &str = "SHOTFLEET_BOX_ADDR";
 
 /// Flags the supervisor sets for each worker itself (each takes a value).
 const SET_PER_WORKER: &[&str] = &["--config", "--gpus", "--gpu", "--worker-id", "--state-dir", "--metrics-addr"];
@@ -78,7 +80,12 @@ impl BoxPlan {
     pub fn resolve(inputs: BoxInputs<'_>) -> Result<Self, BoxError> {
         let (base, mut table) = read(inputs.file)?;
         table.remove("supervisor");
-        let supervisor = base.supervisor.clone();
+        let mut supervisor = base.supervisor.clone();
+        if let Some(addr) = inputs.env.get(BOX_ADDR_VARIABLE).filter(|a| !a.is_empty()) {
+            supervisor.listen = addr
+                .parse()
+                .map_err(|_| BoxError::Config(format!("{BOX_ADDR_VARIABLE}: `{addr}` is not an address like 127.0.0.1:9399")))?;
+        }
         supervisor.validate().map_err(BoxError::Config)?;
         let selection: Selection = inputs.gpus.parse().map_err(|e| BoxError::Config(format!("--gpus ({GPUS_VARIABLE}): {e}")))?;
         let mut env = inputs.env.clone();
