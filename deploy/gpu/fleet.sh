@@ -3,7 +3,7 @@
 # `lease.sh fleet-budget`): shotfleet-consumer on the GPU with the exported SDXL, fed through a
 # local NATS JetStream, one worker process per run, each with its own config.
 #
-#   bash deploy/gpu/fleet.sh speed|budget|small  (from the repository root; lease.sh sets the variables)
+#   bash deploy/gpu/fleet.sh speed|budget|small|box  (from the repository root; lease.sh sets the variables)
 #   FLEET_DEVICE=cpu FLEET_MODEL=onnx/tiny/model bash deploy/gpu/fleet.sh speed   (a dry run on the CPU)
 #
 # speed -> $RESULTS/fleet-speed.json. Runs, in this order (the deadline trims from the end; a run
@@ -44,6 +44,9 @@
 # small -> $RESULTS/small.json (issue 19: small cards, two workers on one card, 1,000 mixed jobs
 # checked live): the runs card-N, pair, long-a, long-b of deploy/gpu/fleet-small.sh (its header).
 #
+# box -> $RESULTS/box.json (issue 18, two GPUs: one supervised worker per GPU): the runs one, two,
+# mixed of deploy/gpu/fleet-box.sh (its header).
+#
 # The CPU dry run (FLEET_DEVICE=cpu, tiny model): every side divided by 8 (1024 -> 128, 64..192
 # px), SPEED_STEPS 8, no [cuda.*] table, a simulated card ([budget.simulate] total_mib SIM_TOTAL_MIB)
 # whose others_used_mib (SIM_OTHERS_MIB) stands in for the hog, and cpu_arena_max_mib
@@ -62,7 +65,7 @@ T0=$SECONDS
 export PYTHONUNBUFFERED=1
 
 STAGE=${1:-}
-case "$STAGE" in speed|budget|small) ;; *) sed -n '2,/^set -uo/p' "$0" | sed '$d'; exit 2 ;; esac
+case "$STAGE" in speed|budget|small|box) ;; *) sed -n '2,/^set -uo/p' "$0" | sed '$d'; exit 2 ;; esac
 DEVICE=${FLEET_DEVICE:-${SHOTFLEET_DEVICE:-cuda}}
 case "$DEVICE" in cuda|cpu) ;; *) echo "FLEET_DEVICE must be cuda or cpu, not $DEVICE" >&2; exit 2 ;; esac
 MODEL=${FLEET_MODEL:-${MODEL_DIR:-/root/sdxl}}
@@ -93,13 +96,14 @@ case "$STAGE" in
     speed) RUNS=,${FLEET_RUNS:-c1-tuned,c1-capped,c1-keep,c2-tuned,c2-batch4,c2-batch4-capped,c2-batch4-keep,c1-graph,c1-best,c1-stock}, ;;
     budget) RUNS=,${FLEET_RUNS:-mixed,oom,check,check-ws,check-nopattern}, ;;
     small) RUNS=,${FLEET_RUNS:-cards,pair,long}, ;;
+    box) RUNS=,${FLEET_RUNS:-one,two,mixed}, ;;
 esac
 RESULTS=${RESULTS:-$WORK/results}
 OUT=${OUT:-$RESULTS}
 STAGE_DIR=$RESULTS/fleet-$STAGE
 mkdir -p "$RESULTS" "$OUT" "$WORK" || exit 1
-if [ "$STAGE" = small ] && [ -d "$STAGE_DIR" ]; then
-    # The small stage's runs span calls (long-a in one, long-b in the next): their folders stay,
+if { [ "$STAGE" = small ] || [ "$STAGE" = box ]; } && [ -d "$STAGE_DIR" ]; then
+    # The small and box stages' runs span calls (long-a in one, long-b in the next): their folders stay,
     # the last call's memory samples are set aside (fleet_summary.py reads every vram*.csv).
     [ -f "$STAGE_DIR/vram.csv" ] && mv "$STAGE_DIR/vram.csv" "$STAGE_DIR/vram-$(date +%s).csv"
     rm -f "$STAGE_DIR/meta.txt"
@@ -345,6 +349,8 @@ stage_budget() {
 
 # shellcheck source=deploy/gpu/fleet-small.sh
 source "$REPO/deploy/gpu/fleet-small.sh"
+# shellcheck source=deploy/gpu/fleet-box.sh
+source "$REPO/deploy/gpu/fleet-box.sh"
 
 # --- the end: stop everything, summarize, copy to $OUT -----------------------------------------
 # shellcheck disable=SC2317,SC2329 # called by the EXIT trap
@@ -357,6 +363,7 @@ finish() {
     local json=$RESULTS/fleet-speed.json
     [ "$STAGE" = budget ] && json=$RESULTS/budget.json
     [ "$STAGE" = small ] && json=$RESULTS/small.json
+    [ "$STAGE" = box ] && json=$RESULTS/box.json
     python3 "$REPO/deploy/gpu/fleet_summary.py" "$STAGE" "$STAGE_DIR" --out "$json" \
         --digest "$OUT/fleet-$STAGE.txt" || echo "the summary failed" >&2
     cp "$json" "$OUT/" 2> /dev/null
@@ -387,6 +394,7 @@ case "$STAGE" in
     speed) stage_speed ;;
     budget) stage_budget ;;
     small) stage_small ;;
+    box) stage_box ;;
 esac
 log "stage $STAGE done"
 exit 0

@@ -94,7 +94,7 @@ impl BoxPlan {
         let visible = Visible::parse(env.get(CUDA_VISIBLE_DEVICES).map(String::as_str));
         let cards = cards::select(&selection, base.device, &visible).map_err(|e| match e {
             CardsError::Selection(_) => BoxError::Config(e.to_string()),
-            CardsError::Nvml(_) => BoxError::start("list the GPUs", e),
+            CardsError::Nvml(nvml) => BoxError::start("list the GPUs", nvml),
         })?;
         for number in supervisor.gpu.keys() {
             if !cards.iter().any(|card| card.number.to_string() == *number) {
