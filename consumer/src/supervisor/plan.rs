@@ -287,6 +287,55 @@ mod tests {
         assert_eq!(box_name("render-07/gpu"), "render-07/gpu");
     }
 
+    #[test]
+    fn each_card_gets_its_own_worker_config_id_folder_port_and_arguments() {
+        let dir = tempfile::tempdir().unwrap();
+        let model = Path::new(env!("CARGO_MANIFEST_DIR")).join("../onnx/tiny/model");
+        let file = dir.path().join("box.toml");
+        std::fs::write(
+            &file,
+            format!(
+                "worker_id = \"rack/gpu0\"\ndevice = \"cpu\"\nmodel = \"{}\"\nstate_dir = \"{}\"\n[store]\nurl = \"file:///tmp/x\"\n\
+                 [budget.simulate]\ntotal_mib = 1\nothers_used_mib = 100\n[supervisor.gpu.1]\nclasses = [\"xs\"]\nbudget = {{ max_mib = 2000 }}\n",
+                model.display(),
+                dir.path().join("state").display()
+            ),
+        )
+        .unwrap();
+        let env: HashMap<String, String> = [("SHOTFLEET_GPUS".to_owned(), "sim:4096,1024".to_owned())].into();
+        let inputs = BoxInputs {
+            file: Some(&file),
+            env: &env,
+            flags: Overrides { grace_period: Some("7s".into()), ..Overrides::default() },
+            gpus: "sim:4096,1024",
+            args: os(&["--gpus", "sim:4096,1024", "--config", "box.toml", "--grace-period", "7s"]),
+            program: "/bin/shotfleet-consumer".into(),
+        };
+        let plan = BoxPlan::resolve(inputs).unwrap();
+        let [gpu0, gpu1] = &plan.workers[..] else { panic!("two workers: {plan:?}") };
+        assert_eq!((gpu0.config.worker_id.as_str(), gpu1.config.worker_id.as_str()), ("rack/gpu0", "rack/gpu1"));
+        assert_eq!(gpu1.config.state_dir, dir.path().join("state/gpu1"));
+        assert_eq!(gpu1.file, dir.path().join("state/gpu1/worker.toml"));
+        assert_eq!((gpu0.config.telemetry.listen.port(), gpu1.config.telemetry.listen.port()), (9400, 9401));
+        let simulated = |w: &WorkerPlan| w.config.budget.simulate.clone().unwrap();
+        assert_eq!((simulated(gpu0).total_mib, simulated(gpu1).total_mib, simulated(gpu1).others_used_mib), (4096, 1024, 100));
+        assert_eq!((gpu0.config.budget.max_mib, gpu1.config.budget.max_mib), (None, Some(2000)));
+        assert_eq!(gpu1.config.classes.to_string(), "xs");
+        assert_eq!(gpu1.config.grace_period, std::time::Duration::from_secs(7), "the box's flags reach every worker");
+        let args: Vec<String> = gpu1.command.args.iter().map(|a| a.to_string_lossy().into_owned()).collect();
+        let state = dir.path().join("state/gpu1").display().to_string();
+        let config = format!("{state}/worker.toml");
+        let expected = ["--grace-period", "7s", "--config", &config, "--worker-id", "rack/gpu1", "--state-dir", &state, "--metrics-addr", "127.0.0.1:9401"];
+        assert_eq!(args, expected);
+        assert_eq!((gpu1.command.env.is_empty(), gpu1.command.env_remove.as_slice()), (true, &["SHOTFLEET_GPUS".to_owned()][..]));
+
+        plan.write().unwrap();
+        let written = std::fs::read_to_string(&gpu1.file).unwrap();
+        let reread = WorkerConfig::resolve(Some(&gpu1.file), &HashMap::new(), Overrides::default()).unwrap();
+        assert_eq!((reread.budget.max_mib, reread.classes.to_string()), (Some(2000), "xs".to_owned()), "{written}");
+        assert!(!written.contains("\n[supervisor"), "{written}");
+    }
+
     fn sim(numbers: &[u64]) -> Vec<Card> {
         cards::select(&Selection::Simulated(numbers.to_vec()), crate::config::DeviceKind::Cpu, &Visible::All).unwrap()
     }
