@@ -31,7 +31,13 @@ struct GpuBox {
 }
 
 impl Drop for GpuBox {
+    /// Stops the box as an operator would (SIGTERM: its workers finish and drain) while the test's
+    /// NATS server still runs: a worker stopping after its server is gone waits for it (its NATS
+    /// drain has no deadline), and SIGKILLing the box would leave its workers doing just that.
     fn drop(&mut self) {
+        if self.process.running() {
+            let _ = self.process.terminate(Duration::from_secs(40));
+        }
         if std::thread::panicking() {
             eprintln!("--- box log ---\n{}--- end of box log ---", self.log());
         }
