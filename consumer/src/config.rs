@@ -26,6 +26,7 @@
 //! [attempts]  max_failures = 5, backoff = "2s", max_backoff = "60s"   # failed attempts, not deliveries
 //! [degrade]   min_side = 512       # the ladder's floor for jobs that name none
 //! [limits]    max_megapixel_steps = 1000   # and the other bounds of schema::Limits
+//! [supervisor] restart_backoff = "1s"       # `--gpus`: one worker per GPU (supervisor/config.rs)
 //! ```
 //!
 //! Durations are humantime's: `250ms`, `90s`, `10m`, `2h`, `1d`.
@@ -44,6 +45,7 @@ use crate::budget::{BudgetConfig, Classes};
 use crate::faults::FaultConfig;
 use crate::pipeline::CudaConfig;
 use crate::store::StoreConfig;
+use crate::supervisor::SupervisorConfig;
 use crate::telemetry::TelemetryConfig;
 use crate::worker::attempts::AttemptsConfig;
 use crate::worker::degrade::DegradeConfig;
@@ -145,7 +147,8 @@ pub struct WorkerConfig {
     /// Names this worker in results, failed records and logs.
     pub worker_id: String,
     pub device: DeviceKind,
-    /// The GPU index (NVML's and CUDA's) with `device = "cuda"`.
+    /// The GPU with `device = "cuda"`, as CUDA numbers them (ONNX Runtime's `device_id`); the
+    /// budget reads the same card through NVML, honouring `CUDA_VISIBLE_DEVICES`.
     pub gpu: u32,
     /// The model folder (Optimum's SDXL ONNX layout).
     pub model: PathBuf,
@@ -199,6 +202,8 @@ pub struct WorkerConfig {
     pub attempts: AttemptsConfig,
     /// Fault injection for tests: explicit, off by default, loudly logged when on.
     pub faults: FaultConfig,
+    /// `--gpus`: the box supervisor's settings and per-GPU overrides; a single worker ignores it.
+    pub supervisor: SupervisorConfig,
 }
 
 impl Default for WorkerConfig {
@@ -231,6 +236,7 @@ impl Default for WorkerConfig {
             limits: Limits::default(),
             attempts: AttemptsConfig::default(),
             faults: FaultConfig::default(),
+            supervisor: SupervisorConfig::default(),
         }
     }
 }
@@ -272,7 +278,7 @@ impl WorkerConfig {
     /// # Errors
     /// [`ConfigError`] naming the setting.
     pub fn resolve(file: Option<&Path>, env: &HashMap<String, String>, flags: Overrides) -> Result<Self, ConfigError> {
-        let mut config = match file {
+        let config = match file {
             Some(path) => {
                 let text = std::fs::read_to_string(path)
                     .map_err(|e| bad("--config", format!("cannot read {}: {e}", path.display())))?;
@@ -280,6 +286,18 @@ impl WorkerConfig {
             }
             None => WorkerConfig::default(),
         };
+        let config = config.apply(env, flags)?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Applies the environment, then the flags, over `self` (a file's settings), as
+    /// [`resolve`](Self::resolve) does, without validating the result.
+    ///
+    /// # Errors
+    /// [`ConfigError`] naming a variable or flag that cannot be read.
+    pub fn apply(self, env: &HashMap<String, String>, flags: Overrides) -> Result<Self, ConfigError> {
+        let mut config = self;
         let var = |name: &str| env.get(name).filter(|v| !v.is_empty()).cloned();
         let pick = |flag: Option<String>, name: &str| flag.or_else(|| var(name));
 
@@ -326,7 +344,6 @@ impl WorkerConfig {
                 DeviceKind::Cuda => format!("{host}/gpu{}", config.gpu),
             };
         }
-        config.validate()?;
         Ok(config)
     }
 

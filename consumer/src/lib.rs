@@ -9,6 +9,7 @@
 //! - [`library`]: the LoRA library: LoRA files by name from object storage, cached on disk.
 //! - [`telemetry`]: Prometheus metrics, `/healthz` and `/readyz`.
 //! - [`faults`]: explicit fault injection for tests.
+//! - [`supervisor`]: `--gpus`: one worker process per GPU of a box, restarted and reported on.
 
 pub mod budget;
 pub mod config;
@@ -17,6 +18,7 @@ pub mod faults;
 pub mod library;
 pub mod pipeline;
 pub mod store;
+pub mod supervisor;
 pub mod telemetry;
 pub mod worker;
 

@@ -132,14 +132,15 @@ worker_env() {
         RUST_LOG="${FLEET_RUST_LOG:-info,ort=warn,shotfleet_consumer::worker::job=debug}" "$@")
 }
 
-# worker_start CONFIG: the worker, then /readyz 200 (warm-up = start to ready). 1 when it exits
-# first or is not ready in time; the error is in meta.
+# worker_start CONFIG: the worker (with WORKER_ARGS: `--gpus all` makes it a box, whose own port is
+# then METRICS_ADDR), then /readyz 200 (warm-up = start to ready). 1 when it exits first or is not
+# ready in time; the error is in meta.
 worker_start() {
     cp "$1" "$RUN_DIR/worker.toml"
     METRICS_ADDR=127.0.0.1:$(free_port) || { meta error "no free port"; return 1; }
     meta worker_start "$(now)"
-    worker_env SHOTFLEET_METRICS_ADDR="$METRICS_ADDR"
-    env "${WORKER_ENV[@]}" "$BIN_DIR/shotfleet-consumer" --config "$RUN_DIR/worker.toml" \
+    worker_env SHOTFLEET_METRICS_ADDR="$METRICS_ADDR" SHOTFLEET_BOX_ADDR="$METRICS_ADDR"
+    env "${WORKER_ENV[@]}" "$BIN_DIR/shotfleet-consumer" --config "$RUN_DIR/worker.toml" "${WORKER_ARGS[@]}" \
         > "$RUN_DIR/worker.log" 2>&1 < /dev/null &
     WORKER_PID=$!
     echo "$WORKER_PID" > "$WORK/worker.pid"
@@ -235,27 +236,30 @@ submit_set() {
 # --- the memory hog: another tenant on the card -------------------------------------------------
 hog_process() { exec python3 "$REPO/deploy/gpu/hog.py" "$@"; }
 
-# hog_start KEEP_FREE_GIB: deploy/gpu/hog.py (exec'd: HOG_PID is python's own) holds all but
-# KEEP_FREE_GIB of the card; waits for its report. 1 when it failed (the report says why).
+# hog_start KEEP_FREE_GIB [DEVICE]: deploy/gpu/hog.py (exec'd: its pid is python's own) holds all
+# but KEEP_FREE_GIB of card DEVICE (0: HOG_PID, hog.json; N: HOG_PIDS_MORE, hog-gpuN.json); waits
+# for its report. 1 when it failed (the report says why).
 hog_start() {
-    rm -f "$RUN_DIR/hog.json"
-    hog_process --keep-free-gib "$1" --report "$RUN_DIR/hog.json" --parent $$ \
-        > /dev/null 2> "$RUN_DIR/hog.err" < /dev/null &
-    HOG_PID=$!
-    meta hog_pid "$HOG_PID"
-    local i
+    local device=${2:-0} name=hog pid i
+    [ "$device" = 0 ] || name=hog-gpu$device
+    rm -f "$RUN_DIR/$name.json"
+    hog_process --keep-free-gib "$1" --device "$device" --report "$RUN_DIR/$name.json" --parent $$ \
+        > /dev/null 2> "$RUN_DIR/$name.err" < /dev/null &
+    pid=$!
+    if [ "$device" = 0 ]; then HOG_PID=$pid; else HOG_PIDS_MORE="$HOG_PIDS_MORE $pid"; fi
+    meta "${name//-/_}_pid" "$pid"
     for ((i = 0; i < 600; i++)); do
-        [ -f "$RUN_DIR/hog.json" ] && break
-        kill -0 "$HOG_PID" 2> /dev/null || break
+        [ -f "$RUN_DIR/$name.json" ] && break
+        kill -0 "$pid" 2> /dev/null || break
         sleep 0.1
     done
-    if grep -q '"held_mib"' "$RUN_DIR/hog.json" 2> /dev/null; then
-        log "hog pid $HOG_PID: $(cat "$RUN_DIR/hog.json")"
+    if grep -q '"held_mib"' "$RUN_DIR/$name.json" 2> /dev/null; then
+        log "$name pid $pid: $(cat "$RUN_DIR/$name.json")"
         return 0
     fi
-    meta hog_error "the hog failed: $(cat "$RUN_DIR/hog.json" 2> /dev/null) $(tail -n 3 "$RUN_DIR/hog.err" 2> /dev/null | tr '\n' ' ' | cut -c1-400)"
-    stop_pid "$HOG_PID" TERM 5
-    HOG_PID=''
+    meta "${name//-/_}_error" "the hog failed: $(cat "$RUN_DIR/$name.json" 2> /dev/null) $(tail -n 3 "$RUN_DIR/$name.err" 2> /dev/null | tr '\n' ' ' | cut -c1-400)"
+    stop_pid "$pid" TERM 5
+    [ "$device" = 0 ] && HOG_PID=''
     return 1
 }
 
@@ -275,6 +279,9 @@ pressure_start() {
 }
 
 hog_stop() {
+    local pid
+    for pid in $HOG_PIDS_MORE; do stop_pid "$pid" TERM 10; done
+    HOG_PIDS_MORE=''
     [ -n "$HOG_PID" ] || return 0
     stop_pid "$HOG_PID" TERM 10
     [ -n "$RUN_DIR" ] && meta hog_stopped "$(now)"
@@ -298,3 +305,4 @@ stop_all() {
 
 # shellcheck disable=SC2034 # RUN_NAME: read by fleet.sh
 RUN_DIR='' RUN_NAME='' NATS_PID='' WORKER_PID='' VRAM_PID='' SAMPLER_PID='' HOG_PID='' METRICS_ADDR='' OTHER_WORKER_PIDS=''
+HOG_PIDS_MORE='' WORKER_ARGS=()

@@ -3,6 +3,7 @@
     python3 deploy/gpu/fleet_summary.py speed  RESULTS/fleet-speed  --out RESULTS/fleet-speed.json [--digest F]
     python3 deploy/gpu/fleet_summary.py budget RESULTS/fleet-budget --out RESULTS/budget.json [--digest F]
     python3 deploy/gpu/fleet_summary.py small  RESULTS/fleet-small  --out RESULTS/small.json [--digest F]
+    python3 deploy/gpu/fleet_summary.py box    RESULTS/fleet-box    --out RESULTS/box.json [--digest F]
 
 The stage folder (fleet-lib.sh's header): meta.txt, runs.txt (run names in order), vram.csv, and a
 folder per run with meta.txt, worker.log, jobs-KEY.jsonl, submit-KEY.txt, gpu-KEY.json, metrics.txt.
@@ -20,7 +21,8 @@ tally of `shotfleet submit --wait` (done, degraded, failed, and each job's statu
 
 budget.json adds: check (the --check-budget lines, max |error|), mixed (hog, zero admission OOMs),
 oom (each job's outcome, the OOM/degrade log lines, whether the same process kept serving).
-small.json: cards, pair and long (small_summary.py).
+small.json: cards, pair and long (small_summary.py). box.json: speed (one worker against the box's
+two) and mixed (box_summary.py).
 --digest writes a short text for a person (the call's $OUT). Standard library only.
 """
 
@@ -440,7 +442,8 @@ def digest(doc: dict) -> str:
                 f"{s.get('images_per_s')} img/s (steady {s.get('images_per_s_steady')}), busy {s.get('busy_fraction')}, "
                 f"peak {s.get('peak_vram_gib')} GiB, tally {s.get('tally')}, medians {med} {s.get('note') or ''}")
 
-    for run in doc.get("runs", []) + [doc.get(k) for k in ("mixed", "oom") if doc.get(k)]:
+    # The box stage's mixed is box_summary's, not a run's: it is printed below.
+    for run in doc.get("runs", []) + [doc.get(k) for k in ("mixed", "oom") if doc.get(k) and "sets" in doc[k]]:
         lines.append(f"run {run.get('name')} ({run.get('label')}): {run.get('status')}, warm-up {run.get('warmup_s')} s, "
                      f"peak {run.get('peak_vram_gib')} GiB, log {run.get('log_counts')}, jobs_total {run.get('jobs_total')}")
         if run.get("error") or run.get("note"):
@@ -464,15 +467,15 @@ def digest(doc: dict) -> str:
             lines.append(f"  error: {check['error']}")
     for card in doc.get("cards", []):
         lines.append(f"card {card.get('max_mib')} MiB: {json.dumps({k: v for k, v in card.items() if k != 'warnings'})[:2500]}")
-    for key in ("pair", "long"):
-        if doc.get(key):
-            lines.append(f"{key}: {json.dumps(doc[key])[:4000]}")
+    for key in ("pair", "long", "speed", "mixed"):
+        if doc.get(key) and "sets" not in doc[key]:
+            lines.append(f"{key}: {json.dumps(doc[key], default=str)[:4000]}")
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("stage", choices=("speed", "budget", "small"))
+    ap.add_argument("stage", choices=("speed", "budget", "small", "box"))
     ap.add_argument("dir", type=Path)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--digest", type=Path, default=None)
@@ -499,6 +502,13 @@ def main() -> None:
         halves = [run for n, run in runs.items() if n.startswith("long-") and run.get("status") != "skipped"]
         if halves:
             doc["long"] = small_summary.long(halves)
+    elif args.stage == "box":
+        import box_summary  # noqa: PLC0415 - it imports this module's readers
+
+        runs = {n: run_summary(args.dir / n, vram, meta.get("device")) for n in names}
+        doc["speed"] = box_summary.speed(runs.get("one"), runs.get("two"))
+        if "mixed" in runs:
+            doc["mixed"] = box_summary.mixed(runs["mixed"])
     else:
         for n in names:
             if n.startswith("check"):

@@ -24,6 +24,9 @@
 #   fleet-small     optimize-wait, then `deploy/gpu/fleet.sh small` (issue 19: shares of the card, two
 #                   workers on one card, the 1,000-job run; FLEET_RUNS picks) -> small.json
 #   fleet-see       optimize-wait, then `deploy/gpu/fleet.sh see` (issue 16) -> see-the-work.json
+#   fleet-box       optimize-wait, then `deploy/gpu/fleet.sh box` (issue 18, two GPUs: one worker on GPU 0,
+#                   then `shotfleet-consumer --gpus all`, then the box under memory pressure; FLEET_RUNS
+#                   picks) -> box.json
 #   fleet           fleet-speed, then fleet-budget
 #   lora            optimize-wait, then deploy/gpu/lora.sh: the model prepared for LoRAs (lora_ready.py)
 #                   and measured (.gpu/bin/lora_bench) -> lora.jsonl, lora.txt
@@ -362,6 +365,7 @@ run_stage() {
         fleet-budget) stage_fleet budget || rc=$? ;;
         fleet-small) stage_fleet small || rc=$? ;;
         fleet-see) stage_fleet see || rc=$? ;;
+        fleet-box) stage_fleet box || rc=$? ;;
         fleet) { stage_fleet speed && stage_fleet budget; } || rc=$? ;;
         lora) { stage_optimize_wait && ort_env && ROOT=$ROOT RESULTS=$RESULTS OUT=$OUT SDXL=$SDXL bash deploy/gpu/lora.sh; } || rc=$? ;;
         report) stage_report || rc=$? ;;

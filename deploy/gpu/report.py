@@ -11,6 +11,7 @@ results.tar.gz, unpacked) landed. It reads what is there, all optional:
   fleet.json            the 2026-11-30 lease's fleet.sh ({"runs": [{label, batch, images_per_s, ...}]})
   budget.json           deploy/gpu/fleet.sh budget: check, mixed, oom
   small.json            deploy/gpu/fleet.sh small: shares of the card, two workers on one, 1,000 jobs (small_report.py)
+  box.json              deploy/gpu/fleet.sh box: one worker per GPU on two cards (box_report.py)
   unet.json             onnx/bench_unet.py (variants)
   stages.jsonl          deploy/gpu/lease.sh (seconds per stage)
 Ratios: a fleet set's images/s (and steady images/s) over diffusers eager, and over compiled, at
@@ -23,6 +24,7 @@ import argparse
 import json
 from pathlib import Path
 
+from box_report import box_md
 from small_report import small_md
 
 STAGE_KEYS = ("text_ms", "unet_ms", "vae_ms", "png_ms", "upload_ms", "render_ms")
@@ -381,6 +383,8 @@ def main() -> None:
     md += budget_md(budget)
     small = load(d / "small.json")
     md += small_md(small)
+    box = load(d / "box.json")
+    md += box_md(box)
     md += unet_md(unet, steps)
     md += stages_md(stages)
     text = "\n".join(md) + "\n"
@@ -391,7 +395,7 @@ def main() -> None:
         args.json.write_text(json.dumps({"images": rows, "fleet_runs": (speed or {}).get("runs"), "budget": budget,
                                          "unet_best": (unet or {}).get("best"),
                                          "unet_stock_spread": (unet or {}).get("stock_spread"),
-                                         "unet": (unet or {}).get("results"), "small": small, "stages": stages}, indent=2) + "\n")
+                                         "unet": (unet or {}).get("results"), "small": small, "box": box, "stages": stages}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

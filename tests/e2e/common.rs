@@ -17,6 +17,8 @@ use shotfleet_testkit::paths;
 use shotfleet_testkit::ports::free_port;
 use shotfleet_testkit::process::{http_get, Guarded};
 
+pub mod accounting;
+
 /// A built binary of the workspace (`cargo build --bins` puts them beside the test's folder).
 pub fn binary(name: &str) -> PathBuf {
     let exe = std::env::current_exe().expect("test executable");
@@ -82,7 +84,8 @@ impl WorkerSpec {
         }
     }
 
-    fn toml(&self, state: &Path, metrics_port: u16) -> String {
+    /// The worker's config file.
+    pub fn toml(&self, state: &Path, metrics_port: u16) -> String {
         format!(
             r#"worker_id = "{id}"
 device = "cpu"

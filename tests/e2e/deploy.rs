@@ -1,7 +1,7 @@
 //! The shipped deploy files: nats-server configs parse (`nats-server -t`) with the environment
 //! they document, the producer entries are what `add-project.sh` prints, the Kubernetes
-//! manifests scale on every consumer their pods serve, and the systemd unit passes
-//! `systemd-analyze verify` with its hardening in place.
+//! manifests scale on every consumer their pods serve, and the systemd units (one worker per
+//! GPU, or one supervisor per box) pass `systemd-analyze verify` with their hardening in place.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
@@ -161,38 +161,48 @@ fn worker_pods_keep_state_on_a_volume_and_credentials_in_secrets() {
 }
 
 #[test]
-fn systemd_unit_is_hardened_and_verifies() {
-    let unit = paths::repo_root().join("deploy/systemd/shotfleet-consumer@.service");
+fn systemd_units_are_hardened_and_verify() {
+    let per_gpu = ["StateDirectory=shotfleet/gpu%i", "Environment=SHOTFLEET_STATE_DIR=/var/lib/shotfleet/gpu%i", "Environment=CUDA_DEVICE_ORDER=PCI_BUS_ID"];
+    check_unit("shotfleet-consumer@.service", "shotfleet-consumer@0.service", &per_gpu);
+    // The box: one supervisor, SIGTERM to it alone (it passes it on), its workers' folders under one.
+    let per_box = ["StateDirectory=shotfleet", "Environment=SHOTFLEET_STATE_DIR=/var/lib/shotfleet", "KillMode=mixed", "RestartPreventExitStatus=2 78"];
+    check_unit("shotfleet-box.service", "shotfleet-box.service", &per_box);
+}
+
+/// deploy/systemd/`file` has the hardening and `own` settings, and verifies as `instance`.
+fn check_unit(file: &str, instance: &str, own: &[&str]) {
+    let unit = paths::repo_root().join("deploy/systemd").join(file);
     let text = std::fs::read_to_string(&unit).unwrap();
     for setting in [
         "NoNewPrivileges=yes",
         "ProtectSystem=strict",
         "ProtectHome=yes",
         "PrivateTmp=yes",
-        "StateDirectory=shotfleet/gpu%i",
-        "Environment=SHOTFLEET_STATE_DIR=/var/lib/shotfleet/gpu%i",
         "DevicePolicy=closed",
         "DeviceAllow=char-nvidia-frontend rw",
         "DeviceAllow=char-nvidia-uvm rw",
         "LoadCredential=nats-password:/etc/shotfleet/nats-password",
         "Environment=NATS_PASSWORD_FILE=%d/nats-password",
         "Environment=SHOTFLEET_METRICS_HOST=127.0.0.1",
-    ] {
-        assert!(text.lines().any(|l| l == setting), "the unit lacks `{setting}`");
+    ]
+    .iter()
+    .chain(own)
+    {
+        assert!(text.lines().any(|l| l == *setting), "{file} lacks `{setting}`");
     }
-    assert!(!text.contains("PrivateDevices=yes"), "PrivateDevices would hide the GPU");
+    assert!(!text.contains("PrivateDevices=yes"), "{file}: PrivateDevices would hide the GPU");
     if Command::new("systemd-analyze").arg("--version").output().is_err() {
         eprintln!("systemd-analyze is not installed here: the unit's syntax is not verified");
         return;
     }
     // A template verifies as one of its instances.
     let dir = tempfile::tempdir().unwrap();
-    let instance = dir.path().join("shotfleet-consumer@0.service");
+    let instance = dir.path().join(instance);
     std::fs::copy(&unit, &instance).unwrap();
     let out = Command::new("systemd-analyze").arg("verify").arg(&instance).output().unwrap();
     let said = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success() && said.trim().is_empty(), "systemd-analyze verify: {said}");
+    assert!(out.status.success() && said.trim().is_empty(), "{file}: systemd-analyze verify: {said}");
     // Exposure 0 (locked down) .. 10 (none); the unit stays well inside systemd's "OK" band.
     let out = Command::new("systemd-analyze").args(["security", "--offline=yes", "--threshold=40"]).arg(&instance).output().unwrap();
-    assert!(out.status.success(), "exposure above 4.0: {}", String::from_utf8_lossy(&out.stdout));
+    assert!(out.status.success(), "{file}: exposure above 4.0: {}", String::from_utf8_lossy(&out.stdout));
 }

@@ -1,4 +1,5 @@
-//! `shotfleet-consumer`: one worker process per GPU.
+//! `shotfleet-consumer`: one worker process per GPU, or with `--gpus` the box's supervisor of
+//! one worker process per GPU (`shotfleet_consumer::supervisor`).
 //!
 //! Parses flags, sets up logging, resolves the config (file, environment, flags) and runs the
 //! worker until SIGTERM or SIGINT. Exit codes, for the supervisor: 0 after a clean stop; 2 bad
@@ -31,9 +32,13 @@ struct Cli {
     /// cpu or cuda (SHOTFLEET_DEVICE).
     #[arg(long)]
     device: Option<String>,
-    /// GPU index (SHOTFLEET_GPU).
+    /// GPU index, as CUDA numbers them (SHOTFLEET_GPU).
     #[arg(long)]
     gpu: Option<u32>,
+    /// Supervise one worker process per GPU: `all`, a list (`0,2`), or simulated GPUs for a CPU
+    /// box (`sim:4096,1024`, MiB each). The box's health is on `[supervisor] listen`.
+    #[arg(long, env = "SHOTFLEET_GPUS", conflicts_with_all = ["gpu", "check_budget"])]
+    gpus: Option<String>,
     /// Memory classes served, comma separated (xs,s,m,l,xl), or auto.
     #[arg(long)]
     classes: Option<String>,
@@ -81,6 +86,9 @@ async fn main() -> ExitCode {
         worker_id: cli.worker_id,
         state_dir: cli.state_dir,
     };
+    if let Some(gpus) = &cli.gpus {
+        return supervise(cli.config.as_deref(), &env, overrides, gpus).await;
+    }
     let config = match WorkerConfig::resolve(cli.config.as_deref(), &env, overrides) {
         Ok(config) => config,
         Err(e) => {
@@ -99,6 +107,31 @@ async fn main() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             tracing::error!(error = %e, exit_code = e.exit_code(), "worker stopped");
+            eprintln!("shotfleet-consumer: {e}");
+            ExitCode::from(e.exit_code() as u8)
+        }
+    }
+}
+
+/// `--gpus`: plans the box, then supervises its workers until SIGTERM or SIGINT.
+async fn supervise(file: Option<&std::path::Path>, env: &HashMap<String, String>, flags: Overrides, gpus: &str) -> ExitCode {
+    use shotfleet_consumer::supervisor::{self, BoxInputs, BoxPlan};
+    let program = match std::env::current_exe() {
+        Ok(program) => program,
+        Err(e) => {
+            eprintln!("shotfleet-consumer: cannot find this program to run the workers: {e}");
+            return ExitCode::from(shotfleet_consumer::failure::EXIT_START as u8);
+        }
+    };
+    let inputs = BoxInputs { file, env, flags, gpus, args: std::env::args_os().skip(1).collect(), program };
+    let outcome = match BoxPlan::resolve(inputs) {
+        Ok(plan) => supervisor::run(plan, shutdown_signal()).await,
+        Err(e) => Err(e),
+    };
+    match outcome {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            tracing::error!(error = %e, exit_code = e.exit_code(), "box stopped");
             eprintln!("shotfleet-consumer: {e}");
             ExitCode::from(e.exit_code() as u8)
         }

@@ -40,7 +40,8 @@
 //! classes the result can hold is a [`ClassReport`].
 //!
 //! Modules: `config` (the `[budget]` section), `share` (`max_mib`), `probe` (the [`GpuProbe`]
-//! trait and peak measurement), `nvml` (real cards), `simulated` (CPU runs and tests),
+//! trait and peak measurement), `nvml` (real cards), `visible` (`CUDA_VISIBLE_DEVICES`: which card
+//! CUDA's device N is), `simulated` (CPU runs and tests),
 //! `estimate` (the need model), `calibration` (probes planned against the room), `classes`
 //! (the classes setting and what the budget holds of each), `fingerprint` (the estimate's
 //! persistence), `water` (levels).
@@ -54,6 +55,7 @@ mod nvml;
 mod probe;
 mod share;
 mod simulated;
+mod visible;
 mod water;
 
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -67,13 +69,15 @@ pub use classes::{ClassHold, ClassReport, Classes, Hold};
 pub use config::{BudgetConfig, ConfigError, MIB, SimulateConfig};
 pub use estimate::{Coefficients, Estimate, EstimateError, Sample, Shape};
 pub use fingerprint::{FingerprintError, FingerprintKey, FingerprintStore};
-pub use nvml::{NvmlProbe, watch_critical_events};
+pub use nvml::{CardInfo, NvmlProbe, visible_cards, watch_critical_events};
 pub use probe::{GpuProbe, GpuSnapshot, Measured, PeakMeter, PeakWindow, ProbeError};
 pub use simulated::{SIMULATED_DEVICE, SimulatedGpu};
+pub use visible::{CUDA_VISIBLE_DEVICES, CardRef, Visible};
 pub use water::Water;
 
-/// Opens the probe the config asks for: the simulation for a CPU run (`gpu` is `None`), NVML's
-/// GPU `gpu` otherwise. Neither stands in for the other.
+/// Opens the probe the config asks for: the simulation for a CPU run (`gpu` is `None`), the card
+/// that is CUDA's device `gpu` otherwise (`CUDA_VISIBLE_DEVICES` honoured). Neither stands in for
+/// the other.
 ///
 /// # Errors
 ///

@@ -14,12 +14,13 @@ use nvml_wrapper::{Device, Nvml};
 
 use super::lock;
 use super::probe::{GpuProbe, GpuSnapshot, PeakSampler, ProbeError};
+use super::visible::{CardRef, Visible};
 
 /// Fine enough to catch a UNet step's activations; one NVML memory query costs microseconds.
 const SAMPLE_EVERY: Duration = Duration::from_millis(10);
 
-/// GPU `index` as NVML numbers them. NVML ignores `CUDA_VISIBLE_DEVICES`: the worker must give
-/// ONNX Runtime the same physical card (`--gpu N` with no remapping).
+/// The card that is CUDA's device `ordinal` in this process (the one ONNX Runtime renders on),
+/// read through NVML: `CUDA_VISIBLE_DEVICES` is honoured (`visible.rs`).
 pub struct NvmlProbe {
     nvml: Arc<Nvml>,
     index: u32,
@@ -31,9 +32,11 @@ impl NvmlProbe {
     /// # Errors
     ///
     /// [`ProbeError::NvmlUnavailable`] without a driver or library, [`ProbeError::NoDevice`]
-    /// for an index the machine does not have.
-    pub fn open(index: u32) -> Result<Self, ProbeError> {
+    /// for an index the machine does not have, [`ProbeError::NotVisible`] for a device
+    /// `CUDA_VISIBLE_DEVICES` does not make visible.
+    pub fn open(ordinal: u32) -> Result<Self, ProbeError> {
         let nvml = Nvml::init().map_err(|source| ProbeError::NvmlUnavailable { source })?;
+        let index = nvml_index(&nvml, ordinal, &Visible::of_this_process())?;
         let device = nvml.device_by_index(index).map_err(|source| ProbeError::NoDevice { index, source })?;
         let name = device.name().map_err(|source| ProbeError::Nvml { call: "name", index, source })?;
         Ok(Self { nvml: Arc::new(nvml), index, name, sampler: Mutex::new(None) })
@@ -117,7 +120,64 @@ fn optional<T>(result: Result<T, NvmlError>) -> Result<Option<T>, NvmlError> {
     }
 }
 
-/// Watches GPU `index` for NVML's critical events (XID errors, double-bit ECC errors) on a thread
+/// A card as NVML reports it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CardInfo {
+    /// NVML's index (PCI bus order; `nvidia-smi -i`).
+    pub index: u32,
+    pub uuid: String,
+    pub name: String,
+    pub total_bytes: u64,
+}
+
+/// The cards CUDA sees under `visible`, in CUDA's order (the first is CUDA's device 0).
+///
+/// # Errors
+/// NVML unavailable, or an entry of `visible` that names no card.
+pub fn visible_cards(visible: &Visible) -> Result<Vec<CardInfo>, ProbeError> {
+    let nvml = Nvml::init().map_err(|source| ProbeError::NvmlUnavailable { source })?;
+    let count = match visible {
+        Visible::All => nvml.device_count().map_err(|source| ProbeError::Nvml { call: "device_count", index: 0, source })?,
+        Visible::Listed(cards) => cards.len() as u32,
+    };
+    (0..count)
+        .map(|ordinal| {
+            let index = nvml_index(&nvml, ordinal, visible)?;
+            let err = |call| move |source| ProbeError::Nvml { call, index, source };
+            let device = nvml.device_by_index(index).map_err(|source| ProbeError::NoDevice { index, source })?;
+            Ok(CardInfo {
+                index,
+                uuid: device.uuid().map_err(err("uuid"))?,
+                name: device.name().map_err(err("name"))?,
+                total_bytes: device.memory_info().map_err(err("memory_info"))?.total,
+            })
+        })
+        .collect()
+}
+
+/// NVML's index of CUDA's device `ordinal` under `visible`.
+fn nvml_index(nvml: &Nvml, ordinal: u32, visible: &Visible) -> Result<u32, ProbeError> {
+    let not_visible = |detail: String| ProbeError::NotVisible { ordinal, detail };
+    match visible.card(ordinal).map_err(not_visible)? {
+        CardRef::Index(index) => Ok(index),
+        CardRef::Uuid(prefix) => {
+            let count = nvml.device_count().map_err(|source| ProbeError::Nvml { call: "device_count", index: 0, source })?;
+            let matching: Vec<u32> = (0..count)
+                .filter(|&index| nvml.device_by_index(index).and_then(|d| d.uuid()).is_ok_and(|uuid| uuid.starts_with(&prefix)))
+                .collect();
+            match matching[..] {
+                [index] => Ok(index),
+                [] => Err(not_visible(format!("no card's UUID starts with `{prefix}` (nvidia-smi -L lists them)"))),
+                _ => Err(not_visible(format!("`{prefix}` begins the UUIDs of cards {matching:?}; give more of it"))),
+            }
+        }
+        CardRef::Mig(id) => Err(not_visible(format!(
+            "`{id}` is a MIG instance; a worker budgets a whole card (give it the card's UUID, or an index)"
+        ))),
+    }
+}
+
+/// Watches CUDA's device `ordinal` (the card [`NvmlProbe::open`] reads) for NVML's critical events (XID errors, double-bit ECC errors) on a thread
 /// of its own, calling `on_fault` with what happened. NVML delivers XIDs such as 79 ("fallen off
 /// the bus") or 48 (double-bit ECC) here before a CUDA call fails, so the worker can stop taking
 /// jobs at once. The thread ends when `stop` is set or the card cannot report events (then it
@@ -126,7 +186,7 @@ fn optional<T>(result: Result<T, NvmlError>) -> Result<Option<T>, NvmlError> {
 /// # Errors
 /// NVML or the device could not be opened.
 pub fn watch_critical_events(
-    index: u32,
+    ordinal: u32,
     stop: Arc<std::sync::atomic::AtomicBool>,
     on_fault: impl Fn(String) + Send + 'static,
 ) -> Result<std::thread::JoinHandle<()>, ProbeError> {
@@ -135,6 +195,7 @@ pub fn watch_critical_events(
     use std::sync::atomic::Ordering;
 
     let nvml = Nvml::init().map_err(|source| ProbeError::NvmlUnavailable { source })?;
+    let index = nvml_index(&nvml, ordinal, &Visible::of_this_process())?;
     nvml.device_by_index(index).map_err(|source| ProbeError::NoDevice { index, source })?;
     Ok(std::thread::Builder::new()
         .name(format!("nvml-events-gpu{index}"))

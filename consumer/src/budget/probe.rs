@@ -99,6 +99,10 @@ pub enum ProbeError {
         source: NvmlError,
     },
 
+    /// `CUDA_VISIBLE_DEVICES` makes CUDA's device `ordinal` no card NVML can read.
+    #[error("CUDA device {ordinal}: {detail}")]
+    NotVisible { ordinal: u32, detail: String },
+
     /// The simulation could not read this process's memory.
     #[error("{path}: {detail}")]
     Proc { path: &'static str, detail: String },
@@ -123,7 +127,7 @@ impl ProbeError {
             Self::NvmlUnavailable { source } | Self::NoDevice { source, .. } | Self::Nvml { source, .. } => {
                 Some(source)
             }
-            Self::Proc { .. } | Self::PeakNotStarted | Self::SimulationRequired | Self::SimulationOnGpu { .. } => None,
+            Self::NotVisible { .. } | Self::Proc { .. } | Self::PeakNotStarted | Self::SimulationRequired | Self::SimulationOnGpu { .. } => None,
         }
     }
 }
