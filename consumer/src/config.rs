@@ -26,6 +26,7 @@
 //! [attempts]  max_failures = 5, backoff = "2s", max_backoff = "60s"   # failed attempts, not deliveries
 //! [degrade]   min_side = 512       # the ladder's floor for jobs that name none
 //! [limits]    max_megapixel_steps = 1000   # and the other bounds of schema::Limits
+//! [lora]      cache_max_mib = 20480, device_mib = 12000, host_mib = 16384   # worker/lora/config.rs
 //! ```
 //!
 //! Durations are humantime's: `250ms`, `90s`, `10m`, `2h`, `1d`.
@@ -47,6 +48,7 @@ use crate::store::StoreConfig;
 use crate::telemetry::TelemetryConfig;
 use crate::worker::attempts::AttemptsConfig;
 use crate::worker::degrade::DegradeConfig;
+use crate::worker::lora::LoraConfig;
 
 /// Where the graphs run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
@@ -199,6 +201,8 @@ pub struct WorkerConfig {
     pub attempts: AttemptsConfig,
     /// Fault injection for tests: explicit, off by default, loudly logged when on.
     pub faults: FaultConfig,
+    /// The LoRA library (a folder of the store), its local cache, the pool of merged sets.
+    pub lora: LoraConfig,
 }
 
 impl Default for WorkerConfig {
@@ -231,6 +235,7 @@ impl Default for WorkerConfig {
             limits: Limits::default(),
             attempts: AttemptsConfig::default(),
             faults: FaultConfig::default(),
+            lora: LoraConfig::default(),
         }
     }
 }
@@ -400,6 +405,7 @@ impl WorkerConfig {
         if self.calibration.steps == 0 {
             return Err(bad("calibration.steps", "must be at least 1"));
         }
+        self.lora.validate().map_err(|(setting, message)| bad(setting, message))?;
         Ok(())
     }
 
