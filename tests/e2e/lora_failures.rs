@@ -27,6 +27,19 @@ fn worker_spec(id: &str, store: &Path, cache: &Path) -> WorkerSpec {
     spec
 }
 
+/// A NATS server with the topology, a store folder with `characters` in its library, a folder
+/// for the workers' LoRA cache.
+async fn setup(characters: &[(&str, &str)]) -> (NatsServer, async_nats::jetstream::Context, tempfile::TempDir, tempfile::TempDir) {
+    let server = NatsServer::start();
+    let js = jetstream_with(&server.url(), &Topology::default()).await;
+    let (store, cache) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let url = format!("file://{}", store.path().display());
+    for &character in characters {
+        push(&url, character, &[]).await;
+    }
+    (server, js, store, cache)
+}
+
 /// The failure of `job_id` among `outcomes`: (reason, detail).
 fn failure<'a>(outcomes: &'a HashMap<String, Outcome>, job_id: &str) -> (&'a str, &'a str) {
     match &outcomes[job_id] {
@@ -41,13 +54,7 @@ fn rendered(outcomes: &HashMap<String, Outcome>, job_id: &str) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn corrupt_and_truncated_loras_fail_their_jobs_saying_to_push_them_again() {
-    let server = NatsServer::start();
-    let js = jetstream_with(&server.url(), &Topology::default()).await;
-    let (store, cache) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-    let url = format!("file://{}", store.path().display());
-    for character in [MEI, KAI, RIN, TAO] {
-        push(&url, character, &[]).await;
-    }
+    let (server, js, store, cache) = setup(&[MEI, KAI, RIN, TAO]).await;
     let library = library_dir(store.path());
     // kai's upload cut short: its bytes no longer match the sidecar.
     let kai = library.join("kai.safetensors");
@@ -97,12 +104,7 @@ async fn outcomes_of(js: &async_nats::jetstream::Context, shots: &[shotfleet_pro
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lora_deleted_from_the_library_fails_the_jobs_that_still_name_it() {
-    let server = NatsServer::start();
-    let js = jetstream_with(&server.url(), &Topology::default()).await;
-    let (store, cache) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-    let url = format!("file://{}", store.path().display());
-    push(&url, MEI, &[]).await;
-    push(&url, KAI, &[]).await;
+    let (server, js, store, cache) = setup(&[MEI, KAI]).await;
     let delete = |name: &str| {
         for ext in ["safetensors", "json"] {
             std::fs::remove_file(library_dir(store.path()).join(format!("{name}.{ext}"))).unwrap();

@@ -8,7 +8,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use shotfleet_consumer::pipeline::lora::Adapter;
-use shotfleet_consumer::pipeline::{Pipeline, PipelineOptions, RenderRequest};
+use shotfleet_consumer::pipeline::{Pipeline, PipelineOptions};
+use shotfleet_consumer::worker::render::render_request;
 use shotfleet_schema::lora::{FileLimits, LoraFile};
 use shotfleet_schema::{Lora, ShotJob, ShotResult};
 use shotfleet_tests::{binary, ort_library, tiny_model};
@@ -67,17 +68,7 @@ pub fn reference_images(pipeline: &Pipeline, job: &ShotJob, files: &[(&str, &str
         .collect();
     let merged = pipeline.merge_loras(&adapters).expect("merge");
     let set = pipeline.place_loras(&merged).expect("place");
-    let request = RenderRequest {
-        prompt: job.prompt.clone(),
-        negative_prompt: job.negative_prompt.clone(),
-        width: job.width,
-        height: job.height,
-        steps: job.steps,
-        guidance: job.guidance,
-        seed: job.seed,
-        image_indices: (0..job.images).collect(),
-        max_batch: job.images as usize,
-    };
+    let request = render_request(job, job.images);
     let set = (!merged.is_empty()).then_some(&set);
     let mut outputs = pipeline.render_with_loras(&[request], set, &Default::default(), &mut |_| std::ops::ControlFlow::Continue(())).expect("render");
     outputs.remove(0).images.iter().map(|image| rgb(&image.png)).collect()

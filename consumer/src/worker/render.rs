@@ -267,7 +267,7 @@ fn learn(shared: &Shared, job: &ShotJob, shape: Shape, measured: Measured) {
 }
 
 /// What the pipeline renders for a job: all its images, `max_batch` per UNet sub-batch.
-pub(crate) fn render_request(job: &ShotJob, max_batch: u32) -> RenderRequest {
+pub fn render_request(job: &ShotJob, max_batch: u32) -> RenderRequest {
     RenderRequest {
         prompt: job.prompt.clone(),
         negative_prompt: job.negative_prompt.clone(),
