@@ -183,6 +183,8 @@ async fn render_once(
     let pipeline = shared.pipeline();
     let meter = shared.meter.clone();
     let set = set.cloned();
+    // The pool's sets stay on the device through the render (measured renders run one at a time).
+    let sets = shared.loras.device_bytes();
     let outcome = tokio::task::spawn_blocking(move || {
         let steps: Vec<_> = steps.into_iter().collect();
         let render = || {
@@ -192,7 +194,7 @@ async fn render_once(
         match meter {
             Some(meter) => {
                 let (result, peak) = meter.measure(render);
-                (result, peak.ok())
+                (result, peak.ok().map(|measured| measured.less_held(sets)))
             }
             None => (render(), None),
         }
