@@ -3,7 +3,7 @@
 # `lease.sh fleet-budget`): shotfleet-consumer on the GPU with the exported SDXL, fed through a
 # local NATS JetStream, one worker process per run, each with its own config.
 #
-#   bash deploy/gpu/fleet.sh speed|budget|small|see  (from the repository root; lease.sh sets the variables)
+#   bash deploy/gpu/fleet.sh speed|budget|small|see|board  (from the repository root; lease.sh sets the variables)
 #   FLEET_DEVICE=cpu FLEET_MODEL=onnx/tiny/model bash deploy/gpu/fleet.sh speed   (a dry run on the CPU)
 #
 # speed -> $RESULTS/fleet-speed.json. Runs, in this order (the deadline trims from the end; a run
@@ -51,6 +51,10 @@
 # small -> $RESULTS/small.json (issue 19: small cards, two workers on one card, 1,000 mixed jobs
 # checked live): the runs card-N, pair, long-a, long-b of deploy/gpu/fleet-small.sh (its header).
 #
+# board -> $RESULTS/lora-board.json (issue 14: 48 shots over 4 LoRA characters, grouped by set vs
+# --no-group, images/s and switches): the runs board, board-small of deploy/gpu/fleet-board.sh (its
+# header); FLEET_MODEL must be prepared for LoRAs (lease.sh fleet-board: $ROOT/sdxl-lora).
+#
 # The CPU dry run (FLEET_DEVICE=cpu, tiny model): every side divided by 8 (1024 -> 128, 64..192
 # px), SPEED_STEPS 8, no [cuda.*] table, a simulated card ([budget.simulate] total_mib SIM_TOTAL_MIB)
 # whose others_used_mib (SIM_OTHERS_MIB) stands in for the hog, and cpu_arena_max_mib
@@ -69,7 +73,7 @@ T0=$SECONDS
 export PYTHONUNBUFFERED=1
 
 STAGE=${1:-}
-case "$STAGE" in speed|budget|small|see) ;; *) sed -n '2,/^set -uo/p' "$0" | sed '$d'; exit 2 ;; esac
+case "$STAGE" in speed|budget|small|see|board) ;; *) sed -n '2,/^set -uo/p' "$0" | sed '$d'; exit 2 ;; esac
 DEVICE=${FLEET_DEVICE:-${SHOTFLEET_DEVICE:-cuda}}
 case "$DEVICE" in cuda|cpu) ;; *) echo "FLEET_DEVICE must be cuda or cpu, not $DEVICE" >&2; exit 2 ;; esac
 MODEL=${FLEET_MODEL:-${MODEL_DIR:-/root/sdxl}}
@@ -101,6 +105,7 @@ case "$STAGE" in
     budget) RUNS=,${FLEET_RUNS:-mixed,oom,check,check-ws,check-nopattern}, ;;
     small) RUNS=,${FLEET_RUNS:-cards,pair,long}, ;;
     see) RUNS=,see, ;;
+    board) RUNS=,${FLEET_RUNS:-board,board-small}, ;;
 esac
 RESULTS=${RESULTS:-$WORK/results}
 OUT=${OUT:-$RESULTS}
@@ -353,6 +358,8 @@ stage_budget() {
 
 # shellcheck source=deploy/gpu/fleet-small.sh
 source "$REPO/deploy/gpu/fleet-small.sh"
+# shellcheck source=deploy/gpu/fleet-board.sh
+source "$REPO/deploy/gpu/fleet-board.sh"
 
 # --- see: progress, cancel mid-render, status --watch, metrics (issue 16) ------------------------
 see_jobs() {  # FILE: the long job, then two behind it
@@ -427,6 +434,7 @@ finish() {
         tar czf "$OUT/see-the-work.tar.gz" -C "$STAGE_DIR" . 2> /dev/null
     else
         [ "$STAGE" = small ] && json=$RESULTS/small.json
+        [ "$STAGE" = board ] && json=$RESULTS/lora-board.json
         python3 "$REPO/deploy/gpu/fleet_summary.py" "$STAGE" "$STAGE_DIR" --out "$json" \
             --digest "$OUT/fleet-$STAGE.txt" || echo "the summary failed" >&2
     fi
@@ -459,6 +467,7 @@ case "$STAGE" in
     budget) stage_budget ;;
     small) stage_small ;;
     see) stage_see ;;
+    board) stage_board ;;
 esac
 log "stage $STAGE done"
 exit 0

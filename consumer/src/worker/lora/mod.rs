@@ -32,7 +32,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use shotfleet_schema::ShotJob;
-use tracing::info;
+use tracing::{debug, info};
 
 pub use config::LoraConfig;
 
@@ -242,7 +242,12 @@ impl Loras {
             Err(Miss::Lora(e)) => return Err(lora_error(e)),
         };
         let source = source_name(acquired.source);
-        info!(loras = %set, source, switched = acquired.switched, elapsed_ms = acquired.elapsed.as_millis() as u64, "LoRA set on the device");
+        let elapsed_ms = acquired.elapsed.as_millis() as u64;
+        if acquired.switched || acquired.source != Source::Resident {
+            info!(loras = %set, source, switched = acquired.switched, elapsed_ms, "LoRA set on the device");
+        } else {
+            debug!(loras = %set, source, switched = false, elapsed_ms, "LoRA set on the device");
+        }
         telemetry::lora_set(source, acquired.switched);
         self.export();
         Ok(Some(acquired))
