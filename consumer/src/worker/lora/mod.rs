@@ -23,15 +23,22 @@
 //! no device memory to place the set: given back; a model without LoRA maps: a failed attempt
 //! (another worker may take the job), reason `attempts` at the limit with the fix in the detail.
 //!
+//! **Order.** Jobs fetched together are handed to the slots grouped by the LoRAs they name
+//! ([`by_set`]), so a slot's jobs can share batches; inside a slot, groups whose set is on the
+//! device go first (`group.rs`).
+//!
 //! - `config`: the `[lora]` section.
 
 mod config;
 
+use std::collections::HashMap;
 use std::fmt;
+use std::hash::Hash;
 use std::sync::Arc;
 use std::time::Duration;
 
 use shotfleet_schema::ShotJob;
+use shotfleet_schema::encoding::decode_job;
 use tracing::{debug, info};
 
 pub use config::LoraConfig;
@@ -44,6 +51,7 @@ use crate::pipeline::Pipeline;
 use crate::pipeline::lora::{Acquired, Adapter, LoraError, LoraPool, ResidentSet, SetKey, Source};
 use crate::telemetry;
 use crate::worker::Shared;
+use crate::worker::delivery::Delivery;
 
 /// How long a job waits when its set found no device memory to be placed in.
 const NO_DEVICE_MEMORY_DELAY: Duration = Duration::from_secs(1);
@@ -269,6 +277,30 @@ impl Loras {
     }
 }
 
+/// Orders deliveries fetched together so that jobs naming the same LoRAs at the same weights
+/// (`ShotJob::lora_set`) follow one another, in order of first appearance: the slots they are
+/// split into then hold jobs that can share batches. All of them start in this round whatever
+/// their place, so priorities lose nothing. A payload that does not decode keeps its place.
+pub(crate) fn by_set(deliveries: Vec<Delivery>) -> Vec<Delivery> {
+    grouped(deliveries, |delivery| decode_job(delivery.content_type().as_deref(), &delivery.message.payload).ok().map(|job| job.lora_set()))
+}
+
+/// `items` stably ordered by the first appearance of their key; an item without one is a group
+/// of its own.
+fn grouped<T, K: Eq + Hash>(items: Vec<T>, key: impl Fn(&T) -> Option<K>) -> Vec<T> {
+    let mut first: HashMap<K, usize> = HashMap::new();
+    let mut keyed: Vec<(usize, T)> = items
+        .into_iter()
+        .enumerate()
+        .map(|(i, item)| match key(&item) {
+            Some(k) => (*first.entry(k).or_insert(i), item),
+            None => (i, item),
+        })
+        .collect();
+    keyed.sort_by_key(|(group, _)| *group);
+    keyed.into_iter().map(|(_, item)| item).collect()
+}
+
 /// The pool's sets are the budget's LoRA line: what no render holds can be given back.
 impl DeviceLine for LoraPool {
     fn device_bytes(&self) -> u64 {
@@ -334,6 +366,14 @@ mod tests {
         let placed = LoraError::Device { source: ort::Error::new("Failed to allocate memory for requested buffer of size 100") };
         assert!(matches!(lora_error(placed).kind, ErrorKind::GiveBack { .. }));
         assert_eq!(lora_error(LoraError::NotPrepared { model: "/m".into() }).kind, ErrorKind::Transient);
+    }
+
+    #[test]
+    fn jobs_fetched_together_are_grouped_by_set_in_order_of_first_appearance() {
+        // (id, set): None for a payload that does not decode.
+        let fetched = vec![(1, Some("mei")), (2, Some("kai")), (3, None), (4, Some("mei")), (5, Some("")), (6, Some("kai"))];
+        let order: Vec<u32> = grouped(fetched, |(_, set)| *set).into_iter().map(|(id, _)| id).collect();
+        assert_eq!(order, [1, 4, 2, 6, 3, 5]);
     }
 
     #[test]
