@@ -75,7 +75,7 @@ async fn a_probe_that_runs_out_of_memory_is_the_cards_ceiling_and_the_worker_ser
     let done = results(&outcomes(&js, &[small], Duration::from_secs(60)).await);
     assert_eq!(done[0].worker, "capped");
     assert_eq!(waiting(&js, "render-p0-s").await, (1, 0), "the s job was never fetched:\n{}", worker.log());
-    assert!(!worker.metrics().contains("shotfleet_out_of_memory_total"), "no job ran out of memory:\n{}", worker.log());
+    assert!(worker.metrics().contains("shotfleet_out_of_memory_total 0"), "no job ran out of memory:\n{}", worker.log());
 }
 
 #[tokio::test]

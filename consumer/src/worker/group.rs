@@ -14,11 +14,11 @@ use std::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
+use crate::pipeline::lora::SetKey;
 use crate::pipeline::{CancelHandle, RenderControl, RenderRequest};
 use crate::telemetry;
 use crate::worker::Shared;
 use crate::worker::delivery::Delivery;
-use crate::pipeline::lora::SetKey;
 use crate::worker::job::{self, Next, Taken, commit_output, finish, render_and_commit};
 use crate::worker::progress::{self, Reporter};
 use crate::worker::render::{AbortOnDrop, render_request, stop_at};

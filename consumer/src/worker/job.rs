@@ -1,6 +1,6 @@
 //! One job, start to finish: take (decode, validate, route, look up its outcome, resolve its
-//! LoRA set) -> render -> upload and claim the outcome -> settle. Each step is a function; `settle` alone decides how
-//! the job ends.
+//! LoRA set) -> render -> upload and claim the outcome -> settle. Each step is a function;
+//! `settle` alone decides how the job ends.
 
 use std::sync::Arc;
 use std::time::Instant;
