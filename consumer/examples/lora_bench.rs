@@ -10,6 +10,9 @@
 //! # the GPU lease (deploy/gpu/lease.sh stage lora): full-size SDXL prepared with onnx/lora_ready.py,
 //! # today's graph beside it for the base job's time
 //! lora_bench --model /root/sdxl-lora --base-model /root/sdxl --device cuda --size 1024 --steps 8
+//! # random LoRAs to push with `shotfleet lora push` (the lease's storyboard stage): kohya files
+//! # of the first of --ranks over the usual layers of the model's maps, char-1..N.safetensors
+//! lora_bench --model /root/sdxl-lora --write-loras /root/board-loras --count 4 --ranks 32
 //! ```
 //!
 //! Random LoRAs cover the usual layers (kohya's default: every linear of the UNet's attention
@@ -39,10 +42,13 @@ struct Args {
     size: u32,
     steps: u32,
     runs: usize,
+    /// Write `count` random LoRA files here and stop.
+    write_loras: Option<PathBuf>,
+    count: u64,
 }
 
 fn parse_args() -> Result<Args, String> {
-    let mut args = Args { model: None, base_model: None, synthetic: None, cuda: false, gpu: 0, ranks: vec![32, 128], size: 64, steps: 8, runs: 3 };
+    let mut args = Args { model: None, base_model: None, synthetic: None, cuda: false, gpu: 0, ranks: vec![32, 128], size: 64, steps: 8, runs: 3, write_loras: None, count: 4 };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
         let mut value = || it.next().ok_or(format!("{flag} needs a value"));
@@ -56,6 +62,8 @@ fn parse_args() -> Result<Args, String> {
             "--size" => args.size = value()?.parse().map_err(|e| format!("--size: {e}"))?,
             "--steps" => args.steps = value()?.parse().map_err(|e| format!("--steps: {e}"))?,
             "--runs" => args.runs = value()?.parse().map_err(|e| format!("--runs: {e}"))?,
+            "--write-loras" => args.write_loras = Some(value()?.into()),
+            "--count" => args.count = value()?.parse().map_err(|e| format!("--count: {e}"))?,
             other => return Err(format!("unknown argument {other} (see the example's header)")),
         }
     }
@@ -68,7 +76,26 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         return synthetic_sdxl(fraction, &args.ranks);
     }
     let model = args.model.clone().unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../onnx/tiny/model"));
+    if let Some(dir) = &args.write_loras {
+        return write_loras(&model, dir, &args);
+    }
     real_model(&model, &args)
+}
+
+/// `--write-loras DIR`: `--count` random kohya LoRA files of the first rank of `--ranks` over the
+/// usual layers of `model`'s maps (no session loaded), `char-1.safetensors`.. with seeds 1..
+fn write_loras(model: &Path, dir: &Path, args: &Args) -> Result<(), Box<dyn std::error::Error>> {
+    let maps = WeightMaps::load(model)?;
+    let modules = all_modules(&maps);
+    let rank = *args.ranks.first().ok_or("--ranks is empty")?;
+    std::fs::create_dir_all(dir)?;
+    for seed in 1..=args.count {
+        let bytes = kohya_bytes(&random_lora(&modules, rank, seed))?;
+        let path = dir.join(format!("char-{seed}.safetensors"));
+        std::fs::write(&path, &bytes)?;
+        emit(json!({"what": "lora_file", "path": path, "rank": rank, "bytes": bytes.len()}));
+    }
+    Ok(())
 }
 
 fn emit(value: serde_json::Value) {

@@ -27,6 +27,7 @@
 //! [degrade]   min_side = 512       # the ladder's floor for jobs that name none
 //! [limits]    max_megapixel_steps = 1000   # and the other bounds of schema::Limits
 //! [supervisor] restart_backoff = "1s"       # `--gpus`: one worker per GPU (supervisor/config.rs)
+//! [lora]      cache_max_mib = 20480, device_mib = 12000, host_mib = 16384   # worker/lora/config.rs
 //! ```
 //!
 //! Durations are humantime's: `250ms`, `90s`, `10m`, `2h`, `1d`.
@@ -49,6 +50,7 @@ use crate::supervisor::SupervisorConfig;
 use crate::telemetry::TelemetryConfig;
 use crate::worker::attempts::AttemptsConfig;
 use crate::worker::degrade::DegradeConfig;
+use crate::worker::lora::LoraConfig;
 
 /// Where the graphs run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
@@ -204,6 +206,8 @@ pub struct WorkerConfig {
     pub faults: FaultConfig,
     /// `--gpus`: the box supervisor's settings and per-GPU overrides; a single worker ignores it.
     pub supervisor: SupervisorConfig,
+    /// The LoRA library (a folder of the store), its local cache, the pool of merged sets.
+    pub lora: LoraConfig,
 }
 
 impl Default for WorkerConfig {
@@ -237,6 +241,7 @@ impl Default for WorkerConfig {
             attempts: AttemptsConfig::default(),
             faults: FaultConfig::default(),
             supervisor: SupervisorConfig::default(),
+            lora: LoraConfig::default(),
         }
     }
 }
@@ -417,6 +422,7 @@ impl WorkerConfig {
         if self.calibration.steps == 0 {
             return Err(bad("calibration.steps", "must be at least 1"));
         }
+        self.lora.validate().map_err(|(setting, message)| bad(setting, message))?;
         Ok(())
     }
 

@@ -123,7 +123,7 @@ fn calibrated_budget_admits_and_learns_on_the_simulation() {
     gpu.set_others_used(0);
 
     // A real batch the calibration never rendered: the estimate was close, and learns from it.
-    let reservation = budget.reserve(1024, 1024, 2).unwrap().expect("room for a batch of two");
+    let reservation = budget.reserve(1024, 1024, 2, 0).unwrap().expect("room for a batch of two");
     let peak = measured_render(&*gpu, Shape::new(1024, 1024, 2));
     drop(reservation);
     let error = budget.observe(1024, 1024, 2, peak);

@@ -97,6 +97,30 @@ fn a_set_in_use_counts_until_its_render_lets_go() {
 }
 
 #[test]
+fn the_budget_gets_back_only_sets_no_render_holds_least_recently_used_first() {
+    let pipeline = tiny_pipeline();
+    let (k, p) = (kohya(), peft());
+    let (kb, pb) = (bytes(&pipeline, &k), bytes(&pipeline, &p));
+    let pool = LoraPool::new(PoolLimits { device_bytes: u64::MAX, host_bytes: u64::MAX });
+    let loads = Cell::new(0);
+    drop(acquire(&pool, &pipeline, &k, &loads));
+    let (held, _, _) = acquire(&pool, &pipeline, &p, &loads);
+    assert_eq!((pool.device_bytes(), pool.idle_device_bytes()), (kb + pb, kb), "peft is in a render");
+    assert_eq!((pool.bytes_of(&k.0), pool.bytes_of(&p.0)), (Some(kb), Some(pb)));
+    // Asked for more than the idle sets hold, it gives what it can and keeps the held one.
+    assert_eq!(pool.reclaim(kb + pb), kb);
+    assert_eq!((pool.whereabouts(&k.0), pool.is_resident(&p.0)), (Some(Source::Host), true));
+    assert_eq!(pool.reclaim(1), 0, "nothing idle left");
+    drop(held);
+    assert_eq!(pool.idle_device_bytes(), pb);
+    // A switch is another set than the one acquired before; the same set again is none.
+    let again = pool.acquire(&pipeline, &p.0, || -> Result<Vec<Adapter>, LoraError> { panic!("resident") }).unwrap().unwrap();
+    assert!(!again.switched);
+    let back = pool.acquire(&pipeline, &k.0, || -> Result<Vec<Adapter>, LoraError> { panic!("in host memory") }).unwrap().unwrap();
+    assert!(back.switched && back.source == Source::Host);
+}
+
+#[test]
 fn the_base_model_needs_no_set_and_weight_zero_is_the_base_model() {
     let pipeline = tiny_pipeline();
     let pool = LoraPool::new(PoolLimits { device_bytes: u64::MAX, host_bytes: u64::MAX });

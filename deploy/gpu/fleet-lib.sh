@@ -205,8 +205,9 @@ for line in text.splitlines():
 EOF
 }
 
-# submit_set KEY LABEL FILE TIMEOUT_S: `shotfleet submit FILE --wait` with gpu_sampler.py around it.
-# Always 0: the outcome (exit code, times) is in meta; a worker that died is an error there.
+# submit_set KEY LABEL FILE TIMEOUT_S: `shotfleet submit FILE --wait` (and SUBMIT_FLAGS, e.g.
+# --no-group) with gpu_sampler.py around it. Always 0: the outcome (exit code, times) is in meta; a
+# worker that died is an error there.
 submit_set() {
     local key=$1 label=$2 file=$3 timeout=$4 rc=0 sampler
     cp "$file" "$RUN_DIR/jobs-$key.jsonl"
@@ -217,8 +218,10 @@ submit_set() {
     SAMPLER_PID=$sampler
     sleep 0.3
     log "set $key: $label (submit --wait, timeout ${timeout}s)"
+    [ -n "${SUBMIT_FLAGS:-}" ] && meta "set_${key}_flags" "$SUBMIT_FLAGS"
     meta "set_${key}_submit" "$(now)"
-    "$BIN_DIR/shotfleet" submit "$RUN_DIR/jobs-$key.jsonl" --wait --timeout "${timeout}s" \
+    # shellcheck disable=SC2086 # SUBMIT_FLAGS: words
+    "$BIN_DIR/shotfleet" submit "$RUN_DIR/jobs-$key.jsonl" ${SUBMIT_FLAGS:-} --wait --timeout "${timeout}s" \
         > "$RUN_DIR/submit-$key.txt" 2>&1 < /dev/null || rc=$?
     meta "set_${key}_end" "$(now)"
     meta "set_${key}_rc" "$rc"

@@ -4,6 +4,7 @@
     python3 deploy/gpu/fleet_summary.py budget RESULTS/fleet-budget --out RESULTS/budget.json [--digest F]
     python3 deploy/gpu/fleet_summary.py small  RESULTS/fleet-small  --out RESULTS/small.json [--digest F]
     python3 deploy/gpu/fleet_summary.py box    RESULTS/fleet-box    --out RESULTS/box.json [--digest F]
+    python3 deploy/gpu/fleet_summary.py board  RESULTS/fleet-board  --out RESULTS/lora-board.json [--digest F]
 
 The stage folder (fleet-lib.sh's header): meta.txt, runs.txt (run names in order), vram.csv, and a
 folder per run with meta.txt, worker.log, jobs-KEY.jsonl, submit-KEY.txt, gpu-KEY.json, metrics.txt.
@@ -22,7 +23,8 @@ tally of `shotfleet submit --wait` (done, degraded, failed, and each job's statu
 budget.json adds: check (the --check-budget lines, max |error|), mixed (hog, zero admission OOMs),
 oom (each job's outcome, the OOM/degrade log lines, whether the same process kept serving).
 small.json: cards, pair and long (small_summary.py). box.json: speed (one worker against the box's
-two) and mixed (box_summary.py).
+two) and mixed (box_summary.py). lora-board.json: the runs, and per set the switches by source and
+the sets placed (board_summary.py).
 --digest writes a short text for a person (the call's $OUT). Standard library only.
 """
 
@@ -470,12 +472,14 @@ def digest(doc: dict) -> str:
     for key in ("pair", "long", "speed", "mixed"):
         if doc.get(key) and "sets" not in doc[key]:
             lines.append(f"{key}: {json.dumps(doc[key], default=str)[:4000]}")
+    for board in doc.get("lora", []):
+        lines.append(f"lora {board.get('name')}: {json.dumps(board)[:3000]}")
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("stage", choices=("speed", "budget", "small", "box"))
+    ap.add_argument("stage", choices=("speed", "budget", "small", "box", "board"))
     ap.add_argument("dir", type=Path)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--digest", type=Path, default=None)
@@ -492,6 +496,13 @@ def main() -> None:
     if args.stage == "speed":
         doc.update(size=int(meta.get("size") or 0), steps=int(meta.get("steps") or 0), guidance=5.0)
         doc["runs"] = [public(run_summary(args.dir / n, vram, meta.get("device"))) for n in names]
+    elif args.stage == "board":
+        import board_summary  # noqa: PLC0415 - it reads this module's run summaries
+
+        runs = [run_summary(args.dir / n, vram, meta.get("device")) for n in names]
+        doc.update(lora_bytes=fnum(meta, "board_lora_bytes"), loras_written_s=fnum(meta, "board_loras_s"))
+        doc["runs"] = [public(run) for run in runs]
+        doc["lora"] = [board_summary.lora(run) for run in runs if run.get("status") != "skipped"]
     elif args.stage == "small":
         import small_summary  # noqa: PLC0415 - it imports this module's readers
 

@@ -30,6 +30,8 @@
 #   fleet           fleet-speed, then fleet-budget
 #   lora            optimize-wait, then deploy/gpu/lora.sh: the model prepared for LoRAs (lora_ready.py)
 #                   and measured (.gpu/bin/lora_bench) -> lora.jsonl, lora.txt
+#   fleet-board     after lora: `deploy/gpu/fleet.sh board` on the model lora prepared (issue 14: the
+#                   4-character storyboard grouped vs --no-group) -> lora-board.json
 #   report          deploy/gpu/report.py over /root/results -> report.md, report.json, results.tar.gz
 #
 # /root/results keeps every figure and log between the calls of a lease; each stage also copies its
@@ -336,6 +338,12 @@ stage_fleet() {
     return "$rc"
 }
 
+# The LoRA storyboard (issue 14) on the model that stage `lora` prepared, beside today's.
+stage_fleet_board() {
+    [ -f "$ROOT/sdxl-lora/unet/lora_map.json" ] || { echo "no $ROOT/sdxl-lora/unet/lora_map.json: run stage lora first" >&2; return 3; }
+    FLEET_MODEL=$ROOT/sdxl-lora stage_fleet board
+}
+
 stage_report() {
     python3 deploy/gpu/report.py "$RESULTS" --md "$RESULTS/report.md" --json "$RESULTS/report.json"
     local rc=$?
@@ -367,6 +375,7 @@ run_stage() {
         fleet-see) stage_fleet see || rc=$? ;;
         fleet-box) stage_fleet box || rc=$? ;;
         fleet) { stage_fleet speed && stage_fleet budget; } || rc=$? ;;
+        fleet-board) stage_fleet_board || rc=$? ;;
         lora) { stage_optimize_wait && ort_env && ROOT=$ROOT RESULTS=$RESULTS OUT=$OUT SDXL=$SDXL bash deploy/gpu/lora.sh; } || rc=$? ;;
         report) stage_report || rc=$? ;;
         *) echo "unknown stage: $name" >&2; rc=2 ;;

@@ -4,6 +4,8 @@
         --width 1024 --height 1024 --steps 30
     python3 deploy/gpu/storyboards.py mixed FILE --run R --jobs 200 --steps 4 [--scale 8]
         [--slice 0:500] [--classes xs,s,m --rest REST]
+    python3 deploy/gpu/storyboards.py lora-board FILE --run R --set S --jobs 48 --characters a,b,c,d \
+        --width 1024 --height 1024 --steps 8
 
 uniform: one set of a timed run: the same size, steps and guidance for every job (so a worker
 with batch_jobs > 1 may render them together), distinct seeds and prompts, all p0.
@@ -13,7 +15,11 @@ submits the same jobs (and the first N of a longer draw are the N of a shorter o
 divides every side by N (the CPU dry run's tiny model: 8 gives 64..192 px). --slice A:B keeps jobs
 A+1..B of the draw (their ids keep their numbers: halves of one run). --classes keeps the jobs of
 those memory classes (schema/src/class.rs: one image's pixels) in FILE and writes the others to
-REST. Prints one line: jobs, images, and the size, priority and class counts (and REST's).
+REST. lora-board: the LoRA storyboard of issue 14 (point 5): --jobs shots over the --characters
+(LoRA names, one each at weight 1), shot i of character i mod N; the first character's shots 0, 4,
+8, 12 are p0 anchors, the last one's shots 3, 7, 11, 15 p2 backfill, the rest p1; in the file in a
+fixed shuffle (stride 7) where neighbours differ in character. Prints one line: jobs, images, and
+the size, priority and class counts (and REST's).
 Standard library only.
 """
 
@@ -61,6 +67,18 @@ def job(run: str, set_name: str, i: int, width: int, height: int, steps: int, im
     }
 
 
+def lora_board(args) -> list[dict]:
+    names = [c for c in args.characters.split(",") if c]
+    priorities = {0: "p0", 4: "p0", 8: "p0", 12: "p0", 3: "p2", 7: "p2", 11: "p2", 15: "p2"}
+    shots = []
+    for i in range(args.jobs):
+        shot = job(args.run, args.set, i, args.width, args.height, args.steps, 1, priorities.get(i, "p1"), 3000 + i)
+        shot["loras"] = [{"name": names[i % len(names)], "weight": 1.0}]
+        shots.append(shot)
+    stride = 7 if args.jobs % 7 else 5
+    return [shots[(k * stride) % args.jobs] for k in range(args.jobs)]
+
+
 def uniform(args) -> list[dict]:
     return [job(args.run, args.set, i, args.width, args.height, args.steps, args.images, "p0", 1000 + i)
             for i in range(1, args.jobs + 1)]
@@ -82,7 +100,7 @@ def mixed(args) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("kind", choices=("uniform", "mixed"))
+    ap.add_argument("kind", choices=("uniform", "mixed", "lora-board"))
     ap.add_argument("file")
     ap.add_argument("--run", required=True, help="prefix of the job ids (unique per submission)")
     ap.add_argument("--set", default="a", help="set name, part of the job and shot ids")
@@ -96,8 +114,9 @@ def main() -> None:
     ap.add_argument("--slice", default=None, help="A:B keeps jobs A+1..B of the draw")
     ap.add_argument("--classes", default=None, help="keep only these memory classes (comma separated) in FILE")
     ap.add_argument("--rest", default=None, help="with --classes: where the other jobs go")
+    ap.add_argument("--characters", default="char-1,char-2,char-3,char-4", help="lora-board: the LoRA names")
     args = ap.parse_args()
-    jobs = uniform(args) if args.kind == "uniform" else mixed(args)
+    jobs = {"uniform": uniform, "mixed": mixed, "lora-board": lora_board}[args.kind](args)
     if args.slice:
         start, _, end = args.slice.partition(":")
         jobs = jobs[int(start or 0):int(end) if end else None]

@@ -6,18 +6,7 @@
 
 use std::collections::HashMap;
 
-use shotfleet_schema::ShotJob;
-
 use crate::storyboard::Shot;
-
-/// A job's LoRA set: names and weights, sorted, weight-0 LoRAs left out (they change nothing,
-/// so such a job renders with the base model).
-pub fn lora_set(job: &ShotJob) -> Vec<(String, u32)> {
-    let mut set: Vec<(String, u32)> =
-        job.loras.iter().filter(|l| l.weight != 0.0).map(|l| (l.name.clone(), l.weight.to_bits())).collect();
-    set.sort();
-    set
-}
 
 /// Reorders `shots` by priority, then by LoRA set in order of first appearance, stably.
 pub fn group_by_lora_set(shots: &mut [Shot]) {
@@ -26,7 +15,7 @@ pub fn group_by_lora_set(shots: &mut [Shot]) {
         .iter()
         .map(|shot| {
             let next = first_seen.len();
-            let seen = *first_seen.entry((shot.priority, lora_set(&shot.job))).or_insert(next);
+            let seen = *first_seen.entry((shot.priority, shot.job.lora_set())).or_insert(next);
             (shot.priority, seen)
         })
         .collect();
@@ -39,7 +28,7 @@ pub fn group_by_lora_set(shots: &mut [Shot]) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use shotfleet_schema::{Lora, Priority};
+    use shotfleet_schema::{Lora, Priority, ShotJob};
 
     fn shot(line: usize, priority: Priority, loras: &[(&str, f32)]) -> Shot {
         let job = ShotJob {

@@ -112,4 +112,14 @@ impl ShotJob {
     pub fn negative(&self) -> Option<&str> {
         self.negative_prompt.as_deref().filter(|n| !n.is_empty())
     }
+
+    /// The LoRA set the job names: names with their weights' bits, sorted, LoRAs at weight 0 left
+    /// out (they change nothing; none left is the base model). Jobs with equal sets render with
+    /// the same weights, as long as the library holds the same files under those names.
+    pub fn lora_set(&self) -> Vec<(String, u32)> {
+        let mut set: Vec<(String, u32)> =
+            self.loras.iter().filter(|l| l.weight != 0.0).map(|l| (l.name.clone(), l.weight.to_bits())).collect();
+        set.sort();
+        set
+    }
 }

@@ -196,7 +196,7 @@ async fn invalid_jobs_go_to_the_failed_stream_with_reasons() {
     assert_eq!(header("Shotfleet-Worker"), "strict");
     assert_eq!(&record.payload[..], b"{\"v\":1,\"job_id\":\"bad-1\",\"width\":\"wide\"}", "the original payload is kept");
 
-    // A LoRA this worker cannot load: never rendered without the style it asked for.
+    // A LoRA the library does not have: never rendered without the style it asked for.
     let mut styled = job("styled-1", "acme", (64, 64), 2, 1);
     styled.loras = vec![shotfleet_schema::Lora { name: "ink-wash.v2".into(), weight: 0.8 }];
     let styled = shot(Priority::P1, styled);
@@ -204,7 +204,7 @@ async fn invalid_jobs_go_to_the_failed_stream_with_reasons() {
     match &outcomes(&js, &[styled], Duration::from_secs(30)).await["styled-1"] {
         shotfleet_producer::wait::Outcome::Failed { reason, detail, .. } => {
             assert_eq!(reason, "invalid");
-            assert!(detail.contains("LoRA `ink-wash.v2` is not available"), "{detail}");
+            assert!(detail.contains("no LoRA named `ink-wash.v2`") && detail.contains("shotfleet lora push"), "{detail}");
         }
         other => panic!("expected a failed record: {other:?}"),
     }

@@ -29,6 +29,12 @@
 //! same activations as the step before; nothing accumulates across steps. So the step count is
 //! not in the model, and fewer steps is a degrade rung for time limits, not for memory.
 //!
+//! **LoRA sets** ([`DeviceLine`]): the LoRA pool's sets on the device are a line of their own
+//! beside the models: the room subtracts their bytes as it does the models', a LoRA job's plan
+//! adds its set's bytes when the set must be placed ([`Budget::reserve`]'s `set_bytes`), and
+//! before the budget refuses a job it asks the pool for sets no render holds, least recently
+//! used first ([`DeviceLine::reclaim`]).
+//!
 //! **Water levels** ([`Water`]) read the card's real fill and override the plan: above
 //! `stop_fetch_at` admission is closed whatever the estimates say.
 //!
@@ -39,9 +45,9 @@
 //! and turns a probe that ran out of memory into the card's ceiling for that shape; which
 //! classes the result can hold is a [`ClassReport`].
 //!
-//! Modules: `config` (the `[budget]` section), `share` (`max_mib`), `probe` (the [`GpuProbe`]
-//! trait and peak measurement), `nvml` (real cards), `visible` (`CUDA_VISIBLE_DEVICES`: which card
-//! CUDA's device N is), `simulated` (CPU runs and tests),
+//! Modules: `config` (the `[budget]` section), `line` (the LoRA pool's line), `share` (`max_mib`),
+//! `probe` (the [`GpuProbe`] trait and peak measurement), `nvml` (real cards), `visible`
+//! (`CUDA_VISIBLE_DEVICES`: which card CUDA's device N is), `simulated` (CPU runs and tests),
 //! `estimate` (the need model), `calibration` (probes planned against the room), `classes`
 //! (the classes setting and what the budget holds of each), `fingerprint` (the estimate's
 //! persistence), `water` (levels).
@@ -51,6 +57,7 @@ mod classes;
 mod config;
 mod estimate;
 mod fingerprint;
+mod line;
 mod nvml;
 mod probe;
 mod share;
@@ -58,7 +65,7 @@ mod simulated;
 mod visible;
 mod water;
 
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError};
 use std::time::{Duration, Instant};
 
 use shotfleet_schema::MemoryClass;
@@ -69,6 +76,7 @@ pub use classes::{ClassHold, ClassReport, Classes, Hold};
 pub use config::{BudgetConfig, ConfigError, MIB, SimulateConfig};
 pub use estimate::{Coefficients, Estimate, EstimateError, Sample, Shape};
 pub use fingerprint::{FingerprintError, FingerprintKey, FingerprintStore};
+pub use line::DeviceLine;
 pub use nvml::{CardInfo, NvmlProbe, visible_cards, watch_critical_events};
 pub use probe::{GpuProbe, GpuSnapshot, Measured, PeakMeter, PeakWindow, ProbeError};
 pub use simulated::{SIMULATED_DEVICE, SimulatedGpu};
@@ -103,6 +111,8 @@ struct Inner {
     max_age: Duration,
     cache: Mutex<Option<(Instant, GpuSnapshot)>>,
     plan: Mutex<Plan>,
+    /// The LoRA pool's sets, once the worker counts them.
+    line: OnceLock<Arc<dyn DeviceLine>>,
 }
 
 /// What the budget has promised.
@@ -143,6 +153,8 @@ pub struct BudgetStatus {
     /// Used by other processes, where this process's own usage is known.
     pub others_used: Option<u64>,
     pub resident: u64,
+    /// Device bytes of the LoRA pool's sets (a line beside the models).
+    pub line: u64,
     /// Room for renders, before reservations.
     pub budget: u64,
     pub reserved: u64,
@@ -170,6 +182,15 @@ impl Reservation {
     pub fn shape(&self) -> Shape {
         self.shape
     }
+
+    /// Gives back `bytes` of the reservation early: a LoRA set's, once placed, since the pool's
+    /// line counts it from then on.
+    pub fn release(&mut self, bytes: u64) {
+        let bytes = bytes.min(self.bytes);
+        self.bytes -= bytes;
+        let mut plan = self.inner.plan();
+        plan.reserved = plan.reserved.saturating_sub(bytes);
+    }
 }
 
 impl Drop for Reservation {
@@ -196,7 +217,16 @@ impl Budget {
         config.validate()?;
         let max_age = Duration::from_millis(config.snapshot_max_age_ms);
         let plan = Plan { estimate, resident, reserved: 0, in_flight: 0 };
-        Ok(Self { inner: Arc::new(Inner { config, probe, max_age, cache: Mutex::new(None), plan: Mutex::new(plan) }) })
+        let inner = Inner { config, probe, max_age, cache: Mutex::new(None), plan: Mutex::new(plan), line: OnceLock::new() };
+        Ok(Self { inner: Arc::new(inner) })
+    }
+
+    /// Counts `line` (the LoRA pool's sets) beside the models from now on. Once: a second line
+    /// is ignored.
+    pub fn count_line(&self, line: Arc<dyn DeviceLine>) {
+        if self.inner.line.set(line).is_err() {
+            warn!("the budget counts one device line; a second was ignored");
+        }
     }
 
     pub fn config(&self) -> &BudgetConfig {
@@ -230,7 +260,7 @@ impl Budget {
         let Some(own) = snapshot.own_used else {
             return Ok(classes.iter().any(|class| !fits.iter().any(|(fit, _)| fit == class)));
         };
-        let cache = own.saturating_sub(plan.resident).saturating_sub(plan.reserved);
+        let cache = own.saturating_sub(plan.resident + self.inner.line_bytes()).saturating_sub(plan.reserved);
         if cache == 0 {
             return Ok(false);
         }
@@ -249,7 +279,7 @@ impl Budget {
         if water == Water::Stop {
             return (water, Vec::new());
         }
-        let available = self.inner.room(snapshot, plan).available;
+        let available = self.inner.room(snapshot, plan).plannable();
         let mut fits: Vec<(MemoryClass, u32)> = classes
             .iter()
             .filter_map(|&class| {
@@ -263,13 +293,15 @@ impl Budget {
         (water, fits)
     }
 
-    /// The largest sub-batch of a job's `images` that the room holds now: `images` if all fit,
-    /// 0 if not even one does.
+    /// The largest sub-batch of a job's `images` that the room holds now beside `set_bytes` (a
+    /// LoRA set the render must place first; 0: none, or its set is on the device): `images` if
+    /// all fit, 0 if not even one does. LoRA sets no render holds count as room (they are given
+    /// back when the job is reserved).
     ///
     /// # Errors
     ///
     /// The card could not be read.
-    pub fn largest_batch(&self, width: u32, height: u32, images: u32) -> Result<u32, ProbeError> {
+    pub fn largest_batch(&self, width: u32, height: u32, images: u32, set_bytes: u64) -> Result<u32, ProbeError> {
         let snapshot = self.inner.snapshot()?;
         // Above `lower_batch_at` the card is filling up whatever the plan says: half batches.
         let most = match Water::at(snapshot.used_fraction(), &self.inner.config) {
@@ -277,43 +309,58 @@ impl Budget {
             _ => images,
         };
         let plan = self.inner.plan();
-        let available = self.inner.room(&snapshot, &plan).available;
+        let available = self.inner.room(&snapshot, &plan).plannable();
         Ok((1..=most)
             .rev()
-            .find(|&batch| self.inner.planned(&plan, Shape::new(width, height, batch)) <= available)
+            .find(|&batch| self.inner.planned(&plan, Shape::new(width, height, batch)) + set_bytes <= available)
             .unwrap_or(0))
     }
 
-    /// Reserves the planned need of a `batch` of `width x height` images, if the room holds it
-    /// now; checked and taken under one lock, so two starts cannot both take the last room.
+    /// Reserves the planned need of a `batch` of `width x height` images and `set_bytes` (a
+    /// LoRA set the render places first; 0: none, or its set is on the device), if the room
+    /// holds it now; checked and taken under one lock, so two starts cannot both take the last
+    /// room. Where the room falls short by no more than the LoRA sets no render holds, those
+    /// are given back first (least recently used first): the pool shrinks before a job is
+    /// refused.
     ///
     /// # Errors
     ///
     /// The card could not be read.
-    pub fn reserve(&self, width: u32, height: u32, batch: u32) -> Result<Option<Reservation>, ProbeError> {
+    pub fn reserve(&self, width: u32, height: u32, batch: u32, set_bytes: u64) -> Result<Option<Reservation>, ProbeError> {
         let snapshot = self.inner.snapshot()?;
         let shape = Shape::new(width, height, batch);
         let mut plan = self.inner.plan();
-        let bytes = self.inner.planned(&plan, shape);
-        if bytes > self.inner.room(&snapshot, &plan).available {
+        let bytes = self.inner.planned(&plan, shape) + set_bytes;
+        let room = self.inner.room(&snapshot, &plan);
+        if bytes > room.plannable() {
             return Ok(None);
+        }
+        if bytes > room.available {
+            let asked = bytes - room.available;
+            let freed = self.inner.line.get().map_or(0, |line| line.reclaim(asked));
+            tracing::info!(asked_mib = asked / MIB, freed_mib = freed / MIB, "LoRA sets moved off the device for a job");
+            if bytes > self.inner.room(&snapshot, &plan).available {
+                return Ok(None);
+            }
         }
         plan.reserved += bytes;
         plan.in_flight += 1;
         Ok(Some(Reservation { inner: Arc::clone(&self.inner), shape, bytes }))
     }
 
-    /// Whether one `width x height` image would fit this card with nothing else of this worker
-    /// in flight: `false` means this card cannot render the job now whatever it waits for (its
-    /// ceiling, or the other processes on it), so the job is for a roomier card or a smaller rung.
+    /// Whether one `width x height` image, beside `set_bytes` of a LoRA set to place, would fit
+    /// this card with nothing else of this worker in flight (and so no LoRA set held): `false`
+    /// means this card cannot render the job now whatever it waits for (its ceiling, or the
+    /// other processes on it), so the job is for a roomier card or a smaller rung.
     ///
     /// # Errors
     ///
     /// The card could not be read.
-    pub fn holds_one(&self, width: u32, height: u32) -> Result<bool, ProbeError> {
+    pub fn holds_one(&self, width: u32, height: u32, set_bytes: u64) -> Result<bool, ProbeError> {
         let snapshot = self.inner.snapshot()?;
         let plan = self.inner.plan();
-        Ok(self.inner.planned(&plan, Shape::new(width, height, 1)) <= self.inner.room(&snapshot, &plan).budget)
+        let room = self.inner.room(&snapshot, &plan).budget + self.inner.line_bytes();
+        Ok(self.inner.planned(&plan, Shape::new(width, height, 1)) + set_bytes <= room)
     }
 
     /// What a `batch` of `width x height` images is planned to take: the estimate plus `safety`.
@@ -365,6 +412,7 @@ impl Budget {
         Ok(BudgetStatus {
             others_used: snapshot.own_used.map(|own| snapshot.used.saturating_sub(own)),
             resident: plan.resident,
+            line: self.inner.line_bytes(),
             budget: room.budget,
             reserved: plan.reserved,
             available: room.available,
@@ -413,7 +461,7 @@ impl Budget {
         let mut admitted = Vec::new();
         for &class in classes {
             let shape = self.class_shape(class);
-            if self.holds_one(shape.width, shape.height)? {
+            if self.holds_one(shape.width, shape.height, 0)? {
                 admitted.push(class);
             }
         }
@@ -451,6 +499,16 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 struct Room {
     budget: u64,
     available: u64,
+    /// LoRA sets no render holds: room once given back.
+    reclaimable: u64,
+}
+
+impl Room {
+    /// What a job can be planned against: the room left, and the LoRA sets that would be given
+    /// back for it.
+    fn plannable(&self) -> u64 {
+        self.available + self.reclaimable
+    }
 }
 
 /// The room on the card of `snapshot` (as the worker views it) beside `resident` bytes of
@@ -463,7 +521,7 @@ fn room(config: &BudgetConfig, snapshot: &GpuSnapshot, resident: u64, reserved: 
     let ours_in_flight = snapshot.own_used.map_or(0, |own| own.saturating_sub(resident)).min(reserved);
     let free_room = (snapshot.free + ours_in_flight).saturating_sub(config.margin_bytes());
     let budget = cap_room.min(free_room);
-    Room { budget, available: budget.saturating_sub(reserved) }
+    Room { budget, available: budget.saturating_sub(reserved), reclaimable: 0 }
 }
 
 impl Inner {
@@ -483,8 +541,17 @@ impl Inner {
         Ok(snapshot)
     }
 
+    /// The room beside the models and the LoRA pool's line.
     fn room(&self, snapshot: &GpuSnapshot, plan: &Plan) -> Room {
-        room(&self.config, snapshot, plan.resident, plan.reserved)
+        let Some(line) = self.line.get() else {
+            return room(&self.config, snapshot, plan.resident, plan.reserved);
+        };
+        let reclaimable = line.reclaimable_bytes();
+        Room { reclaimable, ..room(&self.config, snapshot, plan.resident + line.device_bytes(), plan.reserved) }
+    }
+
+    fn line_bytes(&self) -> u64 {
+        self.line.get().map_or(0, |line| line.device_bytes())
     }
 
     fn planned(&self, plan: &Plan, shape: Shape) -> u64 {
@@ -566,7 +633,7 @@ mod tests {
         // A job in flight reserved 470.8 MiB and holds 400 MiB of it: that much is its own, so
         // it counts back (and its reservation is taken from the room instead).
         let (busy, probe) = budget(card(0, 1500 * MIB, true));
-        let reservation = busy.reserve(1024, 1024, 1).unwrap().unwrap();
+        let reservation = busy.reserve(1024, 1024, 1, 0).unwrap().unwrap();
         *probe.0.lock().unwrap() = card(400 * MIB, 1500 * MIB, true);
         let status = busy.status().unwrap();
         assert_eq!(status.budget, 1340 * MIB);
@@ -617,20 +684,74 @@ mod tests {
         let (budget, _) = budget(card(0, 1500 * MIB, true));
         let planned = budget.planned(1024, 1024, 1);
         assert_eq!(planned, (428.0 * MIB as f64 * 1.1).ceil() as u64);
-        let first = budget.reserve(1024, 1024, 1).unwrap().expect("room for one");
-        let second = budget.reserve(1024, 1024, 1).unwrap().expect("room for two");
-        assert!(budget.reserve(1024, 1024, 1).unwrap().is_none(), "1340 MiB holds two 470.8 MiB jobs");
+        let first = budget.reserve(1024, 1024, 1, 0).unwrap().expect("room for one");
+        let second = budget.reserve(1024, 1024, 1, 0).unwrap().expect("room for two");
+        assert!(budget.reserve(1024, 1024, 1, 0).unwrap().is_none(), "1340 MiB holds two 470.8 MiB jobs");
         let status = budget.status().unwrap();
         assert_eq!((status.reserved, status.in_flight), (2 * planned, 2));
         assert_eq!(status.available, 1340 * MIB - 2 * planned);
         // Batches of n plan 1.1 x (300 + 128 n) MiB: none fits beside two jobs, three beside one.
-        assert_eq!(budget.largest_batch(1024, 1024, 4).unwrap(), 0);
+        assert_eq!(budget.largest_batch(1024, 1024, 4, 0).unwrap(), 0);
         drop(first);
-        assert_eq!(budget.largest_batch(1024, 1024, 4).unwrap(), 3);
+        assert_eq!(budget.largest_batch(1024, 1024, 4, 0).unwrap(), 3);
         drop(second);
-        assert_eq!(budget.largest_batch(1024, 1024, 4).unwrap(), 4);
-        assert_eq!(budget.largest_batch(1024, 1024, 1).unwrap(), 1);
+        assert_eq!(budget.largest_batch(1024, 1024, 4, 0).unwrap(), 4);
+        assert_eq!(budget.largest_batch(1024, 1024, 1, 0).unwrap(), 1);
         assert_eq!(budget.status().unwrap().in_flight, 0);
+    }
+
+    /// LoRA sets on the device: (bytes, held by a render).
+    struct Sets(Mutex<Vec<(u64, bool)>>);
+
+    impl DeviceLine for Sets {
+        fn device_bytes(&self) -> u64 {
+            self.0.lock().unwrap().iter().map(|(b, _)| b).sum()
+        }
+        fn reclaimable_bytes(&self) -> u64 {
+            self.0.lock().unwrap().iter().filter(|(_, held)| !held).map(|(b, _)| b).sum()
+        }
+        fn reclaim(&self, bytes: u64) -> u64 {
+            let mut sets = self.0.lock().unwrap();
+            let mut freed = 0;
+            while freed < bytes {
+                let Some(i) = sets.iter().position(|(_, held)| !held) else { break };
+                freed += sets.remove(i).0;
+            }
+            freed
+        }
+    }
+
+    #[test]
+    fn lora_sets_are_a_line_of_the_budget_given_back_before_a_job_is_refused() {
+        // 2174.4 MiB of room beside the models; two idle 300 MiB sets on the device take 600 of it.
+        let (budget, _) = budget(card(0, 0, true));
+        let sets = Arc::new(Sets(Mutex::new(vec![(300 * MIB, false), (300 * MIB, false)])));
+        budget.count_line(sets.clone());
+        let cap = (TOTAL as f64 * 0.9) as u64 - RESIDENT - 512 * MIB;
+        let status = budget.status().unwrap();
+        assert_eq!((status.line, status.budget), (600 * MIB, cap - 600 * MIB));
+        // Sets no render holds are room: every class is admitted as if they were gone.
+        assert_eq!(budget.admit(MemoryClass::ALL).unwrap().jobs(MemoryClass::Xl), 2, "2174.4 MiB hold two 893.2 MiB images");
+        // One 1024x1024 image (470.8 MiB) beside a 1200 MiB set to place: 1670.8 MiB, over the
+        // 1574.4 left; one idle set goes (the plan counts the set to place), then it fits.
+        let planned = budget.planned(1024, 1024, 1);
+        let mut reservation = budget.reserve(1024, 1024, 1, 1200 * MIB).unwrap().expect("room once a set is given back");
+        assert_eq!(sets.device_bytes(), 300 * MIB, "only as much as the job needs is given back");
+        assert_eq!(reservation.bytes(), planned + 1200 * MIB);
+        // Placed, the set is the line's: the reservation gives its bytes back.
+        sets.0.lock().unwrap().push((1200 * MIB, true));
+        reservation.release(1200 * MIB);
+        assert_eq!(budget.status().unwrap().reserved, planned);
+        // A set a render holds is not given back: 2174.4 - 1500 - 470.8 leaves 203.6 MiB, and the
+        // idle 300 MiB set makes 503.6: one more image fits, not two.
+        let second = budget.reserve(1024, 1024, 1, 0).unwrap().expect("room once the idle set is given back");
+        assert_eq!(sets.device_bytes(), 1200 * MIB, "the idle set went for the second image");
+        assert_eq!(budget.largest_batch(1024, 1024, 4, 0).unwrap(), 0, "32.8 MiB left beside a held set");
+        assert!(budget.reserve(1024, 1024, 1, 0).unwrap().is_none());
+        // With nothing in flight every set could go: one image and a 1200 MiB set fit this card.
+        drop((reservation, second));
+        assert!(budget.holds_one(1024, 1024, 1200 * MIB).unwrap());
+        assert!(!budget.holds_one(1024, 1024, 2000 * MIB).unwrap(), "470.8 + 2000 MiB is over the card's 2174.4");
     }
 
     #[test]
@@ -647,10 +768,10 @@ mod tests {
         *probe.0.lock().unwrap() = filled(0.88);
         assert_eq!(budget.water().unwrap(), Water::Lower);
         assert!(!budget.admit(MemoryClass::ALL).unwrap().fits.is_empty());
-        assert_eq!(budget.largest_batch(64, 64, 4).unwrap(), 2, "lower water halves the batch");
+        assert_eq!(budget.largest_batch(64, 64, 4, 0).unwrap(), 2, "lower water halves the batch");
         *probe.0.lock().unwrap() = filled(0.5);
         assert_eq!(budget.admit(MemoryClass::ALL).unwrap().water, Water::Normal);
-        assert_eq!(budget.largest_batch(64, 64, 4).unwrap(), 4);
+        assert_eq!(budget.largest_batch(64, 64, 4, 0).unwrap(), 4);
     }
 
     #[test]

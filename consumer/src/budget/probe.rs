@@ -235,6 +235,11 @@ mod tests {
         // A larger job's cache still held: the peak says nothing about this shape.
         assert!(!Measured { peak: 16726, held_at_start: 9000 }.cold());
         assert!(!Measured { peak: 0, held_at_start: 1 }.cold());
+        // A 5.44 GiB LoRA set on the device through a render is not the render's.
+        let with_set = Measured { peak: 5570 + 6660, held_at_start: 5570 + 300 };
+        assert!(!with_set.cold());
+        assert_eq!(with_set.less_held(5570), Measured { peak: 6660, held_at_start: 300 });
+        assert!(with_set.less_held(5570).cold());
     }
 }
 
@@ -265,6 +270,12 @@ impl Measured {
     /// was held at the start is under 1/20 of the peak.
     pub fn cold(&self) -> bool {
         self.held_at_start.saturating_mul(20) <= self.peak
+    }
+
+    /// The measurement without `bytes` that something else held on the device through the
+    /// whole render (the LoRA pool's sets): the render's own.
+    pub fn less_held(self, bytes: u64) -> Measured {
+        Measured { peak: self.peak.saturating_sub(bytes), held_at_start: self.held_at_start.saturating_sub(bytes) }
     }
 }
 

@@ -19,14 +19,10 @@ pub use cache::DiskCache;
 
 use crate::store::{Store, StoreConfig, StoreError, StoreErrorKind};
 
-/// `[lora]`: where the library is and how much of it a worker keeps on disk.
-///
-/// ```toml
-/// [lora]
-/// prefix = "_loras"                       # under the store's url: s3://renders/shotfleet/_loras
-/// cache_dir = "/var/cache/shotfleet/loras"
-/// cache_max_mib = 20480
-/// ```
+/// Where the library is (`prefix`, under the store's url: `s3://renders/shotfleet/_loras`) and
+/// how much of it a worker keeps on disk. A worker's `[lora]` section
+/// ([`LoraConfig`](crate::worker::lora::LoraConfig)) makes it, the cache under its state dir
+/// unless told otherwise.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct LibraryConfig {

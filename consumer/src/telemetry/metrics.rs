@@ -29,6 +29,11 @@ pub const CLASS_SERVABLE: &str = "shotfleet_class_servable";
 pub const IMAGES_TOTAL: &str = "shotfleet_images_total";
 pub const FAILURES_TOTAL: &str = "shotfleet_failures_total";
 pub const BACKLOG_JOBS: &str = "shotfleet_backlog_jobs";
+pub const LORA_SWITCHES_TOTAL: &str = "shotfleet_lora_switches_total";
+pub const LORA_POOL_BYTES: &str = "shotfleet_lora_pool_bytes";
+
+/// Where a job's LoRA set came from: the `source` label of `shotfleet_lora_switches_total`.
+const LORA_SOURCES: [&str; 3] = ["resident", "host", "merged"];
 
 /// Seconds a job waited in the stream; backfill (`p2`) can wait hours under load.
 const QUEUE_WAIT_BUCKETS: &[f64] =
@@ -130,6 +135,12 @@ fn describe() {
     describe_counter!(IMAGES_TOTAL, Unit::Count, "Images of jobs this worker committed, by priority and class.");
     describe_counter!(FAILURES_TOTAL, Unit::Count, "Jobs this worker failed (a failed record written), by reason.");
     describe_gauge!(BACKLOG_JOBS, Unit::Count, "Jobs of a render consumer this worker serves, by state, as the server last reported.");
+    describe_counter!(
+        LORA_SWITCHES_TOTAL,
+        Unit::Count,
+        "Renders with another LoRA set than the one before, by where the set came from (resident: a rebind; host: a copy to the device; merged: from the files)."
+    );
+    describe_gauge!(LORA_POOL_BYTES, Unit::Bytes, "Merged LoRA sets the pool holds, by memory (device: a line of the budget; host).");
 }
 
 /// Counters a dashboard rates from the start, at zero before their first event (a series that
@@ -139,6 +150,9 @@ fn zeroes() {
     counter!(SESSION_REBUILDS_TOTAL).absolute(0);
     for &reason in FailureReason::ALL {
         counter!(FAILURES_TOTAL, "reason" => reason.as_str()).absolute(0);
+    }
+    for source in LORA_SOURCES {
+        counter!(LORA_SWITCHES_TOTAL, "source" => source).absolute(0);
     }
 }
 
@@ -216,6 +230,21 @@ pub fn out_of_memory() {
 /// `out_of_memory`, `over_budget`).
 pub fn class_servable(class: MemoryClass, served: bool, reason: &'static str) {
     gauge!(CLASS_SERVABLE, "class" => class.as_str(), "reason" => reason).set(if served { 1.0 } else { 0.0 });
+}
+
+/// Counts a job's LoRA set arriving on the device (`source`: resident, host, merged) when it is
+/// another set than the one before.
+pub fn lora_set(source: &'static str, switched: bool) {
+    debug_assert!(LORA_SOURCES.contains(&source), "{source}");
+    if switched {
+        counter!(LORA_SWITCHES_TOTAL, "source" => source).increment(1);
+    }
+}
+
+/// Sets the LoRA pool's gauges.
+pub fn lora_pool_bytes(device: u64, host: u64) {
+    gauge!(LORA_POOL_BYTES, "memory" => "device").set(device as f64);
+    gauge!(LORA_POOL_BYTES, "memory" => "host").set(host as f64);
 }
 
 /// Counts a rebuild of the sessions by the leak guard.

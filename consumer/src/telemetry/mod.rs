@@ -35,6 +35,8 @@
 //! | `shotfleet_images_total` | counter | `priority`, `class` | images of the jobs this worker committed |
 //! | `shotfleet_failures_total` | counter | `reason` | jobs this worker failed (failed record written): `invalid`, `oom`, `attempts`, `max_deliveries`, `driver` |
 //! | `shotfleet_backlog_jobs` | gauge | `consumer`, `state` | a served consumer's `pending` and `in_progress` jobs, read from the server every 15 s (every worker of a class reports it: take the max) |
+//! | `shotfleet_lora_switches_total` | counter | `source` | renders with another LoRA set than the one before (base-model renders in between change nothing): `resident` (a rebind), `host` (copied to the device from host memory), `merged` (merged from the LoRA files, then placed). A storyboard grouped by set switches about once per character |
+//! | `shotfleet_lora_pool_bytes` | gauge | `memory` | merged LoRA sets the pool holds: `device` (a line of the budget, beside the models), `host` |
 //!
 //! Useful queries: `sum by (outcome) (rate(shotfleet_jobs_total[5m]))`;
 //! `shotfleet_class_servable == 0 unless on(class) shotfleet_class_servable{reason="not_configured"}`
@@ -54,9 +56,10 @@ pub use self::health::Health;
 pub use self::metrics::{
     BUDGET_FREE_BYTES, BUDGET_USED_BYTES, CLASS_SERVABLE, ESTIMATE_ERROR_RATIO, GPU_MEMORY_TOTAL_BYTES, GPU_MEMORY_USED_BYTES,
     GPU_UTILIZATION_RATIO, IN_FLIGHT_JOBS, InFlight, JOBS_TOTAL, JobOutcome, OUT_OF_MEMORY_TOTAL, QUEUE_WAIT_SECONDS,
-    RENDER_SECONDS, SESSION_REBUILDS_TOTAL, UPLOAD_SECONDS, BACKLOG_JOBS, FAILURES_TOTAL, IMAGES_TOTAL, backlog, budget,
-    class_servable, estimate_error, gpu_memory, gpu_utilization, images_rendered, in_flight, install, job_failed, job_finished,
-    out_of_memory, queue_wait, render_time, session_rebuilt, upload_time,
+    RENDER_SECONDS, SESSION_REBUILDS_TOTAL, UPLOAD_SECONDS, BACKLOG_JOBS, FAILURES_TOTAL, IMAGES_TOTAL, LORA_POOL_BYTES,
+    LORA_SWITCHES_TOTAL, backlog, budget, class_servable, estimate_error, gpu_memory, gpu_utilization, images_rendered, in_flight,
+    install, job_failed, job_finished, lora_pool_bytes, lora_set, out_of_memory, queue_wait, render_time, session_rebuilt,
+    upload_time,
 };
 pub use self::server::{TelemetryServer, serve};
 

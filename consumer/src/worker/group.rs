@@ -1,19 +1,20 @@
-//! Cross-job batching: compatible jobs (same size, steps and guidance, no LoRAs) fetched
+//! Cross-job batching: compatible jobs (same size, steps and guidance, the same LoRA set) fetched
 //! together are rendered in shared UNet batches when the budget holds all their images at once,
 //! the main throughput lever on large cards. Each job is still committed, and acked, on its own.
+//! Groups whose set is on the device go first: the others may push it off.
 //!
 //! Anything unusual falls back to rendering the jobs one by one (each through its own degrade
-//! ladder): no room for the whole group, or any error in the shared render.
+//! ladder): no room for the whole group, its set not placed, or any error in the shared render.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
-use shotfleet_schema::ShotJob;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
+use crate::pipeline::lora::SetKey;
 use crate::pipeline::{CancelHandle, RenderControl, RenderRequest};
 use crate::telemetry;
 use crate::worker::Shared;
@@ -22,19 +23,31 @@ use crate::worker::job::{self, Next, Taken, commit_output, finish, render_and_co
 use crate::worker::progress::{self, Reporter};
 use crate::worker::render::{AbortOnDrop, render_request, stop_at};
 
-/// Jobs that can share UNet batches: one schedule, one guidance scale, one image size.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+/// Jobs that can share UNet batches: one schedule, one guidance scale, one image size, one LoRA
+/// set (every render of a batch binds the same weights).
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
 struct Compatible {
     width: u32,
     height: u32,
     steps: u32,
     guidance_bits: u32,
+    set: SetKey,
 }
 
 impl Compatible {
-    fn of(job: &ShotJob) -> Self {
-        Self { width: job.width, height: job.height, steps: job.steps, guidance_bits: job.guidance.to_bits() }
+    fn of(taken: &Taken) -> Self {
+        let job = taken.job();
+        let set = taken.set.as_ref().map(|set| set.key.clone()).unwrap_or_default();
+        Self { width: job.width, height: job.height, steps: job.steps, guidance_bits: job.guidance.to_bits(), set }
     }
+}
+
+/// The groups in the order they render: those whose set is on the device first (`resident`
+/// asks of a group's first member), otherwise as given.
+fn resident_first<T>(groups: impl IntoIterator<Item = Vec<T>>, resident: impl Fn(&T) -> bool) -> Vec<Vec<T>> {
+    let mut groups: Vec<Vec<T>> = groups.into_iter().filter(|members| !members.is_empty()).collect();
+    groups.sort_by_key(|members| !resident(&members[0]));
+    groups
 }
 
 /// Handles deliveries fetched together: each to the end, compatible ones rendered as one group.
@@ -46,11 +59,11 @@ pub async fn handle(shared: Arc<Shared>, deliveries: Vec<Delivery>) {
     for delivery in deliveries {
         let (taken, next) = job::take(&shared, delivery).await;
         match next {
-            Next::Render => groups.entry(Compatible::of(taken.job())).or_default().push(taken),
+            Next::Render => groups.entry(Compatible::of(&taken)).or_default().push(taken),
             Next::Settle(handled) => finish(&shared, &taken, handled).await,
         }
     }
-    for members in groups.into_values() {
+    for members in resident_first(groups.into_values(), |taken: &Taken| shared.loras.is_resident(taken.set.as_ref())) {
         if members.len() == 1 || !render_together(&shared, &members).await {
             for taken in &members {
                 let handled = render_and_commit(&shared, taken).await;
@@ -60,13 +73,19 @@ pub async fn handle(shared: Arc<Shared>, deliveries: Vec<Delivery>) {
     }
 }
 
-/// Renders the members in shared batches and commits and settles each. `false` when nothing
-/// was rendered (no room for the group, or the shared render failed): the caller renders them
-/// one by one.
+/// Renders the members in shared batches with their set, and commits and settles each. `false`
+/// when nothing was rendered (no room for the group, its set not placed, or the shared render
+/// failed): the caller renders them one by one, each settling its own error.
 async fn render_together(shared: &Arc<Shared>, members: &[Taken]) -> bool {
     let first = members[0].job();
     let images: u32 = members.iter().map(|taken| taken.job().images).sum();
-    let Ok(Some(reservation)) = shared.budget.reserve(first.width, first.height, images) else {
+    let Ok(pending) = shared.loras.pending(shared, members[0].set.as_ref()).await else {
+        return false;
+    };
+    let Ok(Some(mut reservation)) = shared.budget.reserve(first.width, first.height, images, pending.bytes()) else {
+        return false;
+    };
+    let Ok(set) = shared.loras.place(shared, pending, &mut reservation).await else {
         return false;
     };
     let requests: Vec<RenderRequest> = members.iter().map(|taken| render_request(taken.job(), images)).collect();
@@ -87,7 +106,7 @@ async fn render_together(shared: &Arc<Shared>, members: &[Taken]) -> bool {
     let pipeline = shared.pipeline();
     let started = Instant::now();
     let rendered = tokio::task::spawn_blocking(move || {
-        pipeline.render_group(&requests, &control, &mut progress::callback(&steps))
+        pipeline.render_with_loras(&requests, set.as_deref(), &control, &mut progress::callback(&steps))
     })
     .await;
     drop(stopper);
@@ -120,4 +139,18 @@ fn any_settled(members: &[Taken]) -> (CancellationToken, AbortOnDrop) {
         fire.cancel();
     });
     (any, AbortOnDrop::new(task))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn groups_whose_set_is_on_the_device_go_first_in_their_order() {
+        // Members named by whether their set is resident, and a number for the order.
+        let groups = vec![vec![(false, 1)], vec![(true, 2), (true, 3)], vec![(false, 4)], vec![(true, 5)]];
+        let order: Vec<Vec<u32>> =
+            resident_first(groups, |member| member.0).into_iter().map(|g| g.into_iter().map(|m| m.1).collect()).collect();
+        assert_eq!(order, [vec![2, 3], vec![5], vec![1], vec![4]]);
+    }
 }

@@ -1,6 +1,6 @@
-//! One job, start to finish: take (decode, validate, route, look up its outcome) -> render ->
-//! upload and claim the outcome -> settle. Each step is a function; `settle` alone decides how
-//! the job ends.
+//! One job, start to finish: take (decode, validate, route, look up its outcome, resolve its
+//! LoRA set) -> render -> upload and claim the outcome -> settle. Each step is a function;
+//! `settle` alone decides how the job ends.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -16,6 +16,7 @@ use crate::pipeline::RenderOutput;
 use crate::telemetry::{self, JobOutcome};
 use crate::worker::commit::{self, Claim};
 use crate::worker::delivery::{Delivery, KeepAlive};
+use crate::worker::lora::JobSet;
 use crate::worker::progress::Reporter;
 use crate::worker::render::{Rendered, render_job};
 use crate::worker::settle::{Handled, Held, settle};
@@ -29,6 +30,8 @@ pub(crate) struct Taken {
     pub job: Option<ShotJob>,
     /// The sequence of the job's last outcome when it was taken (0: none).
     pub last_outcome: u64,
+    /// The LoRA set it renders with; `None`: the base model.
+    pub set: Option<JobSet>,
     /// Progress events, for a job this worker renders.
     pub reporter: Option<Reporter>,
     /// Fires when an outcome lands that settles the job (a cancellation): its work stops.
@@ -86,12 +89,12 @@ pub(crate) async fn finish(shared: &Shared, taken: &Taken, handled: Handled) {
     }
 }
 
-/// The steps before rendering: decode and validate, route (`auto` or the wrong class), and look
-/// up the job's outcome. Starts keeping the delivery alive.
+/// The steps before rendering: decode and validate, route (`auto` or the wrong class), look up
+/// the job's outcome, and resolve the LoRA set it names. Starts keeping the delivery alive.
 pub(crate) async fn take(shared: &Shared, delivery: Delivery) -> (Taken, Next) {
     telemetry::queue_wait(delivery.origin.priority, delivery.queued);
     let _alive = KeepAlive::start(&delivery, shared.keep_alive_interval());
-    let (job, last_outcome, next) = match decode(shared, &delivery) {
+    let (job, last_outcome, mut next) = match decode(shared, &delivery) {
         Err(rejected) => {
             let Rejected { job, why } = *rejected;
             (job, 0, Next::Settle(Handled::Stopped(JobError::invalid(why.to_string()))))
@@ -114,6 +117,13 @@ pub(crate) async fn take(shared: &Shared, delivery: Delivery) -> (Taken, Next) {
             Err(e) => (Some(job), 0, Next::Settle(Handled::Stopped(e))),
         },
     };
+    let mut set = None;
+    if let (Some(job), Next::Render) = (&job, &next) {
+        match shared.loras.resolve(job).await {
+            Ok(resolved) => set = resolved,
+            Err(e) => next = Next::Settle(Handled::Stopped(e)),
+        }
+    }
     let (reporter, watch) = match (&job, &next) {
         (Some(job), Next::Render) => {
             let watch = OutcomeWatch::start(shared, job, delivery.published).await;
@@ -123,7 +133,7 @@ pub(crate) async fn take(shared: &Shared, delivery: Delivery) -> (Taken, Next) {
         }
         _ => (None, OutcomeWatch::none()),
     };
-    (Taken { delivery, job, last_outcome, reporter, watch, _alive }, next)
+    (Taken { delivery, job, last_outcome, set, reporter, watch, _alive }, next)
 }
 
 /// A job that can never be rendered, with the job when the payload was readable enough.
@@ -141,11 +151,6 @@ fn decode(shared: &Shared, delivery: &Delivery) -> Result<ShotJob, Box<Rejected>
         return Err(reject(Some(job), InvalidJob::Invalid(e)));
     }
     let malformed = |path: &str, detail: String| InvalidJob::Decode(DecodeError::Malformed { format: "job", path: path.into(), detail });
-    if let Some(lora) = job.loras.first() {
-        // Never render a job without the style it asked for.
-        let detail = format!("LoRA `{}` is not available: this worker loads no LoRA adapters yet", lora.name);
-        return Err(reject(Some(job), malformed("loras[0].name", detail)));
-    }
     let subject_project = delivery.subject_project();
     if job.project != subject_project {
         let detail = format!("payload project `{}` was published under project `{subject_project}`", job.project);

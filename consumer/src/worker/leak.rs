@@ -4,7 +4,8 @@
 //!
 //! Checked only when no job is in flight (so a rebuild never waits for, or interrupts, a render),
 //! at most every `check_every`, after shrinking the arenas: what is left above the baseline
-//! (taken the same way at start) is memory nothing should be holding.
+//! (taken the same way at start), less the LoRA sets the pool keeps on the device, is memory
+//! nothing should be holding.
 
 use std::sync::Arc;
 
@@ -73,15 +74,19 @@ impl LeakGuard {
     }
 }
 
-/// This process's usage (else the card's) once the arenas gave back what they could.
+/// This process's usage (else the card's) once the arenas gave back what they could, less the
+/// LoRA pool's sets on the device (they are the budget's line, not a leak).
 async fn idle_usage(shared: &Arc<Shared>) -> Option<u64> {
     super::shrink_arenas(shared).await;
-    shared.probe.snapshot().ok().map(|s| s.own_used.unwrap_or(s.used))
+    let used = shared.probe.snapshot().ok().map(|s| s.own_used.unwrap_or(s.used))?;
+    Some(used.saturating_sub(shared.loras.device_bytes()))
 }
 
 /// Drops the sessions and loads them again (no job holds the pipeline while idle).
 async fn rebuild(shared: &Arc<Shared>) -> Result<(), WorkerError> {
     let restart = |detail: String| WorkerError::Restart(format!("rebuilding the sessions failed: {detail}"));
+    // The sets' device memory belongs to the sessions about to go; their host copies stay.
+    shared.loras.before_reload();
     let current = shared.take_pipeline().ok_or_else(|| restart("the models are in use".into()))?;
     let reloaded = tokio::task::spawn_blocking(move || current.reload())
         .await

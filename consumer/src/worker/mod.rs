@@ -13,6 +13,7 @@
 //!   upload and [`commit`] (the outcome as the commit point), then [`settle`], the one place
 //!   that decides ack, nak, term, degrade ([`degrade`]) or stopping the worker;
 //! - [`group`]: compatible jobs rendered in shared batches;
+//! - [`lora`]: a job's LoRA set, from the library through the pool to the render;
 //! - [`route`]: `auto` and wrong-class jobs; [`failed`]: failed records; [`advisory`]: jobs
 //!   that died on their last delivery; [`attempts`]: failed attempts per job message;
 //! - [`delivery`]: a fetched message, its acks and its keep-alive.
@@ -35,6 +36,7 @@ pub mod fetch;
 pub mod group;
 pub mod job;
 pub mod leak;
+pub mod lora;
 pub mod ping;
 pub mod priority;
 pub mod progress;
@@ -119,6 +121,8 @@ pub struct Shared {
     /// it is failed at once whatever its count of failed attempts.
     pub max_deliver: u64,
     pub budget: Budget,
+    /// The LoRA library and the pool of merged sets (a line of the budget).
+    pub loras: lora::Loras,
     pub probe: Arc<dyn crate::budget::GpuProbe>,
     /// Measures each render's peak for the budget to learn from (one at a time: with
     /// `concurrency > 1` renders overlap and are not measured).
@@ -272,6 +276,7 @@ pub async fn run(
         fetch::Consumers::bind(&jobs_stream, &config.classes).await.map_err(|e| WorkerError::start("bind consumers", e))?;
     let (ack_wait, max_deliver) = consumers.limits().await.map_err(|e| WorkerError::start("read consumer limits", e))?;
     let attempts = attempts::Attempts::open(&js).await.map_err(|e| WorkerError::start("open the attempts bucket", e))?;
+    let lora_env = env.clone();
     let store = Store::connect(&config.store, env).await.map_err(|e| WorkerError::start("open the object store", e))?;
 
     health.set_not_ready("loading models and calibrating");
@@ -283,6 +288,9 @@ pub async fn run(
     let device_name = ready.probe.snapshot().map(|s| s.device).unwrap_or_else(|_| "unknown".into());
     let progress_interval = config.progress_interval.unwrap_or(ack_wait / 3).max(Duration::from_millis(100));
     let meter = (config.concurrency == 1).then_some(ready.meter);
+    let idle_room = ready.budget.status().map_or(0, |status| status.budget);
+    let loras = lora::Loras::open(&config, lora_env, &ready.pipeline, idle_room).map_err(|e| WorkerError::start("open the LoRA library", e))?;
+    ready.budget.count_line(loras.line());
     let shared = Arc::new(Shared {
         config,
         js,
@@ -292,6 +300,7 @@ pub async fn run(
         health: health.clone(),
         max_deliver,
         budget: ready.budget,
+        loras,
         probe: ready.probe,
         meter,
         pipeline: std::sync::RwLock::new(Some(ready.pipeline)),
@@ -434,6 +443,7 @@ impl Fetching<'_> {
             return Ok(false);
         }
         export_budget(&shared.budget);
+        shared.loras.export();
         let admission = match shared.budget.admit(&shared.config.classes) {
             Ok(admission) => admission,
             Err(e) => {
@@ -457,7 +467,7 @@ impl Fetching<'_> {
             return Ok(self.shrink_if_kept_out(&admission, free).await);
         }
         self.shrunk_for_room = false;
-        let mut deliveries = deliveries.into_iter().peekable();
+        let mut deliveries = lora::by_set(deliveries).into_iter().peekable();
         while deliveries.peek().is_some() {
             let batch: Vec<_> = deliveries.by_ref().take(per_slot).collect();
             batch.iter().for_each(|_| guard.job_started());

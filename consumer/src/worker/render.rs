@@ -1,7 +1,8 @@
-//! Rendering one job: plan the largest sub-batch the budget holds, render off the async threads
-//! under the job's time limit, and on out-of-memory step down in place (smaller UNet batches
-//! down to one image, then a tiled VAE decode: the same images, one job, one result). What
-//! cannot be rendered here comes back as a [`JobError`] for `settle`.
+//! Rendering one job: plan the largest sub-batch the budget holds (beside the job's LoRA set
+//! when it must be placed), place the set, render off the async threads under the job's time
+//! limit, and on out-of-memory step down in place (smaller UNet batches down to one image, then
+//! a tiled VAE decode: the same images, one job, one result). What cannot be rendered here
+//! comes back as a [`JobError`] for `settle`.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -14,6 +15,7 @@ use tracing::{info, warn};
 
 use crate::budget::{MIB, Measured, Reservation, Shape};
 use crate::failure::{ErrorKind, JobError, classify_render};
+use crate::pipeline::lora::ResidentSet;
 use crate::pipeline::{CancelHandle, RenderControl, RenderError, RenderOutput, RenderRequest, RenderedImage, Stage, VaeDecode};
 use crate::telemetry;
 use crate::worker::attempts::Counts;
@@ -51,20 +53,25 @@ struct Attempt {
 /// own error by its kind.
 pub(crate) async fn render_job(shared: &Arc<Shared>, taken: &Taken) -> Result<Rendered, JobError> {
     let (delivery, job) = (&taken.delivery, taken.job());
-    let Some((batch, mut reservation)) = plan(shared, job) else {
-        if shared.budget.holds_one(job.width, job.height).unwrap_or(true) {
+    let pending = shared.loras.pending(shared, taken.set.as_ref()).await?;
+    let set_bytes = pending.bytes();
+    let Some((batch, mut reservation)) = plan(shared, job, set_bytes) else {
+        if shared.budget.holds_one(job.width, job.height, set_bytes).unwrap_or(true) {
             return Err(JobError::give_back(NO_ROOM_DELAY, "no room for this job now"));
         }
         // Not one image fits this card with nothing else in flight: as if it ran out of memory
-        // one image at a time.
-        let detail = format!("{}x{}: not one image fits {} beside what else is on its card", job.width, job.height, shared.config.worker_id);
+        // one image at a time. A LoRA set does not shrink with the image: a card too small for
+        // the set is left behind by the degraded job too, down to its floor (reason `oom`).
+        let set = taken.set.as_ref().map(|set| format!(" and its LoRA set {set} ({} MiB to place)", set_bytes / MIB)).unwrap_or_default();
+        let detail = format!("{}x{}{set}: not one image fits {} beside what else is on its card", job.width, job.height, shared.config.worker_id);
         return Err(hand_off_or_degrade(shared, delivery, job, detail).await);
     };
+    let set = shared.loras.place(shared, pending, &mut reservation).await?;
     let mut attempt = Attempt { batch, vae: VaeDecode::Whole };
     let deadline = Instant::now() + shared.config.job_time_limit;
     loop {
         let stops = Stops { deadline, settled: &taken.watch.settled, reporter: taken.reporter.as_ref() };
-        let (error, stage) = match render_once(shared, job, attempt, reservation, &stops).await {
+        let (error, stage) = match render_once(shared, job, attempt, reservation, set.as_ref(), &stops).await {
             Ok(rendered) => return Ok(rendered),
             Err((error, stage)) if error.kind == ErrorKind::Oom => (error, stage),
             Err((error, _)) => return Err(error),
@@ -82,7 +89,7 @@ pub(crate) async fn render_job(shared: &Arc<Shared>, taken: &Taken) -> Result<Re
             return Err(hand_off_or_degrade(shared, delivery, job, error.detail).await);
         };
         attempt = next;
-        reservation = match shared.budget.reserve(job.width, job.height, attempt.batch) {
+        reservation = match shared.budget.reserve(job.width, job.height, attempt.batch, 0) {
             Ok(Some(reservation)) => reservation,
             _ => return Err(JobError::give_back(OOM_DELAY, "no room for a smaller batch now")),
         };
@@ -113,12 +120,13 @@ async fn hand_off_or_degrade(shared: &Shared, delivery: &Delivery, job: &ShotJob
     JobError::new(ErrorKind::Oom, detail)
 }
 
-fn plan(shared: &Shared, job: &ShotJob) -> Option<(u32, Reservation)> {
-    let batch = shared.budget.largest_batch(job.width, job.height, job.images).ok()?;
+/// The largest sub-batch the room holds beside `set_bytes` of a LoRA set to place, reserved.
+fn plan(shared: &Shared, job: &ShotJob, set_bytes: u64) -> Option<(u32, Reservation)> {
+    let batch = shared.budget.largest_batch(job.width, job.height, job.images, set_bytes).ok()?;
     if batch == 0 {
         return None;
     }
-    let reservation = shared.budget.reserve(job.width, job.height, batch).ok()??;
+    let reservation = shared.budget.reserve(job.width, job.height, batch, set_bytes).ok()??;
     Some((batch, reservation))
 }
 
@@ -146,14 +154,15 @@ struct Stops<'a> {
     reporter: Option<&'a Reporter>,
 }
 
-/// One render of the whole job at `attempt`'s sizes, off the async threads, stopped at the
-/// deadline, when the worker aborts or when the job is settled elsewhere. An error comes with
-/// the stage it came from.
+/// One render of the whole job at `attempt`'s sizes with its LoRA set (`None`: the base model),
+/// off the async threads, stopped at the deadline, when the worker aborts or when the job is
+/// settled elsewhere. An error comes with the stage it came from.
 async fn render_once(
     shared: &Arc<Shared>,
     job: &ShotJob,
     attempt: Attempt,
     reservation: Reservation,
+    set: Option<&Arc<ResidentSet>>,
     stops: &Stops<'_>,
 ) -> Result<Rendered, (JobError, Option<Stage>)> {
     let request = render_request(job, attempt.batch);
@@ -173,13 +182,19 @@ async fn render_once(
     let (steps, _publisher) = stops.reporter.map(Reporter::steps).unzip();
     let pipeline = shared.pipeline();
     let meter = shared.meter.clone();
+    let set = set.cloned();
+    // The pool's sets stay on the device through the render (measured renders run one at a time).
+    let sets = shared.loras.device_bytes();
     let outcome = tokio::task::spawn_blocking(move || {
         let steps: Vec<_> = steps.into_iter().collect();
-        let render = || pipeline.render_with(&request, &control, &mut progress::callback(&steps));
+        let render = || {
+            let requests = std::slice::from_ref(&request);
+            pipeline.render_with_loras(requests, set.as_deref(), &control, &mut progress::callback(&steps)).map(|mut outputs| outputs.remove(0))
+        };
         match meter {
             Some(meter) => {
                 let (result, peak) = meter.measure(render);
-                (result, peak.ok())
+                (result, peak.ok().map(|measured| measured.less_held(sets)))
             }
             None => (render(), None),
         }
@@ -254,7 +269,7 @@ fn learn(shared: &Shared, job: &ShotJob, shape: Shape, measured: Measured) {
 }
 
 /// What the pipeline renders for a job: all its images, `max_batch` per UNet sub-batch.
-pub(crate) fn render_request(job: &ShotJob, max_batch: u32) -> RenderRequest {
+pub fn render_request(job: &ShotJob, max_batch: u32) -> RenderRequest {
     RenderRequest {
         prompt: job.prompt.clone(),
         negative_prompt: job.negative_prompt.clone(),

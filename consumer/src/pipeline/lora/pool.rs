@@ -19,7 +19,7 @@ use super::merge::Adapter;
 /// Which set: its LoRAs by identity (the library's sha256, or a name) and weight, in a fixed
 /// order; LoRAs at weight 0 are left out (they change nothing), so a set of only those is the
 /// base model.
-#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct SetKey(Vec<(String, u32)>);
 
 impl SetKey {
@@ -62,6 +62,8 @@ pub struct Acquired {
     pub source: Source,
     /// What getting it took (merge, placement).
     pub elapsed: Duration,
+    /// Whether it is another set than the one acquired before it (a switch).
+    pub switched: bool,
 }
 
 /// Counters since the pool was made.
@@ -141,10 +143,11 @@ impl LoraPool {
             return Ok(None);
         }
         let started = Instant::now();
+        let switched;
         let host = {
             let mut state = self.lock();
             state.follow(pipeline.instance());
-            state.note_use(key);
+            switched = state.note_use(key);
             let clock = state.tick();
             let (resident, host) = match state.entries.get_mut(key) {
                 Some(entry) => {
@@ -155,7 +158,7 @@ impl LoraPool {
             };
             if let Some(set) = resident {
                 state.stats.resident_hits += 1;
-                return Ok(Some(Acquired { set, source: Source::Resident, elapsed: started.elapsed() }));
+                return Ok(Some(Acquired { set, source: Source::Resident, elapsed: started.elapsed(), switched }));
             }
             host
         };
@@ -179,7 +182,7 @@ impl LoraPool {
         let limit = state.limits.device_bytes;
         state.evict_device_to(limit, Some(key));
         state.trim_host();
-        Ok(Some(Acquired { set, source, elapsed: started.elapsed() }))
+        Ok(Some(Acquired { set, source, elapsed: started.elapsed(), switched }))
     }
 
     /// The exact device bytes of sets: resident ones and evicted ones a render still holds.
@@ -213,6 +216,41 @@ impl LoraPool {
         key.is_base() || self.lock().entries.get(key).is_some_and(|e| e.device.is_some())
     }
 
+    /// The exact bytes of `key`'s set where the pool has it (on the device or in host memory).
+    pub fn bytes_of(&self, key: &SetKey) -> Option<u64> {
+        self.lock().entries.get(key).map(|e| e.bytes)
+    }
+
+    /// Device bytes of resident sets that no render holds: what [`reclaim`](Self::reclaim)
+    /// can give back now.
+    pub fn idle_device_bytes(&self) -> u64 {
+        self.lock().entries.values().filter(|e| e.device.as_ref().is_some_and(|s| Arc::strong_count(s) == 1)).map(|e| e.bytes).sum()
+    }
+
+    /// Moves resident sets that no render holds off the device, least recently used first,
+    /// until at least `bytes` are given back or none is left; returns the bytes given back. The
+    /// budget calls this before it refuses a job (a set a render holds would stay on the device
+    /// until that render ends, so it is left alone).
+    pub fn reclaim(&self, bytes: u64) -> u64 {
+        let mut state = self.lock();
+        let mut freed = 0;
+        while freed < bytes {
+            let victim = state
+                .entries
+                .iter()
+                .filter(|(_, e)| e.device.as_ref().is_some_and(|s| Arc::strong_count(s) == 1))
+                .min_by_key(|(_, e)| e.last_used)
+                .map(|(k, _)| k.clone());
+            let Some(victim) = victim else { break };
+            let entry = state.entries.get_mut(&victim).expect("found above");
+            entry.device = None;
+            freed += entry.bytes;
+            state.stats.device_evictions += 1;
+        }
+        state.trim_host();
+        freed
+    }
+
     /// Where `key`'s set is: on the device, in host memory, or nowhere (`None`).
     pub fn whereabouts(&self, key: &SetKey) -> Option<Source> {
         let state = self.lock();
@@ -242,11 +280,14 @@ impl State {
         self.clock
     }
 
-    fn note_use(&mut self, key: &SetKey) {
-        if self.last.as_ref() != Some(key) {
-            self.stats.switches += 1;
-            self.last = Some(key.clone());
+    /// Whether `key` is a switch from the set used before.
+    fn note_use(&mut self, key: &SetKey) -> bool {
+        if self.last.as_ref() == Some(key) {
+            return false;
         }
+        self.stats.switches += 1;
+        self.last = Some(key.clone());
+        true
     }
 
     /// Device sets made for an earlier pipeline instance are useless to this one.
