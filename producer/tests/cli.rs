@@ -85,6 +85,29 @@ async fn setup_update_changes_what_the_server_allows() {
 }
 
 #[tokio::test]
+async fn the_queue_takes_only_the_subjects_its_consumers_read() {
+    let server = NatsServer::start();
+    // Before setup no stream takes a job: submit says what to run.
+    let board = demo_storyboard();
+    let out = shotfleet(&server.url(), &["submit", board.to_str().unwrap()]).await;
+    assert!(!out.status.success(), "{}", text(&out));
+    assert!(text(&out).contains("no stream takes subject `shots.p"), "{}", text(&out));
+    assert!(text(&out).contains("run `shotfleet setup`"), "{}", text(&out));
+    // After it, a class no consumer reads is refused by the server instead of stored forever.
+    assert!(shotfleet(&server.url(), &["setup"]).await.status.success());
+    let client = async_nats::connect(server.url()).await.unwrap();
+    let js = jetstream::new(client);
+    let refused = js.publish("shots.p0.bogus.acme", "{}".into()).await.unwrap().await;
+    assert!(refused.is_err(), "a bogus class is not stored: {refused:?}");
+    let mut stream = js.get_stream(subject::JOBS_STREAM).await.unwrap();
+    let config = stream.info().await.unwrap().config.clone();
+    assert_eq!(config.subjects.len(), 18, "{:?}", config.subjects);
+    assert_eq!(config.max_age, std::time::Duration::from_secs(7 * 24 * 3600));
+    assert_eq!(config.max_bytes, 1 << 30);
+    assert_eq!(config.discard, jetstream::stream::DiscardPolicy::New);
+}
+
+#[tokio::test]
 async fn resubmitting_inside_the_duplicate_window_queues_nothing_twice() {
     for binary in ServerBinary::available() {
         let server = NatsServer::start_with(ServerOptions { binary, ..Default::default() });

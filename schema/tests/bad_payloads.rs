@@ -106,6 +106,23 @@ fn validation_errors_name_the_field() {
 }
 
 #[test]
+fn a_job_that_asks_for_more_work_than_a_card_does_in_its_time_limit_is_refused() {
+    // Each bound alone is respected: 2048x2048, 8 images, 150 steps (5,033 megapixel-steps).
+    let mut v: serde_json::Value = serde_json::from_str(GOOD).unwrap();
+    for (field, value) in [("width", 2048), ("height", 2048), ("images", 8), ("steps", 150)] {
+        v[field] = value.into();
+    }
+    let err = parse_job(None, v.to_string().as_bytes(), &Limits::default()).unwrap_err().to_string();
+    assert!(err.contains("2048x2048 x 8 image(s) x 150 steps is 5033 megapixel-steps; at most 1000"), "{err}");
+    assert!(err.contains("split the images over several jobs"), "{err}");
+    // 1536x1536 x 4 images x 50 steps (472) is a job the fleet takes.
+    for (field, value) in [("width", 1536), ("height", 1536), ("images", 4), ("steps", 50)] {
+        v[field] = value.into();
+    }
+    parse_job(None, v.to_string().as_bytes(), &Limits::default()).unwrap();
+}
+
+#[test]
 fn every_problem_is_reported_at_once() {
     let mut v: serde_json::Value = serde_json::from_str(GOOD).unwrap();
     v["width"] = 7.into();

@@ -194,7 +194,7 @@ async fn a_box_of_two_cards_serves_what_fits_each_and_hands_an_out_of_memory_to_
     assert!(about_it("giving the job back"), "and gave the job back");
     assert!(!about_it("degrading in place"), "before any rung of the ladder");
     assert!(gpu_box.worker_metrics(1).contains("shotfleet_out_of_memory_total 1"));
-    assert!(!gpu_box.worker_metrics(0).contains("shotfleet_out_of_memory_total"));
+    assert!(gpu_box.worker_metrics(0).contains("shotfleet_out_of_memory_total 0"));
 }
 
 /// A storyboard of small jobs across priorities and projects.

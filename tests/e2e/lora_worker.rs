@@ -52,6 +52,7 @@ async fn two_jobs_with_different_loras_in_flight_each_render_with_their_own() {
     spec.concurrency = 2;
     let worker = Worker::start(&server.url(), spec);
     let results = results(&outcomes(&js, &shots, Duration::from_secs(120)).await);
+    wait_settled(&js, Duration::from_secs(20)).await;
 
     // They were in flight together: both sets were on the device before either job was done.
     let log = loras::plain(&worker.log());
@@ -92,6 +93,8 @@ async fn a_cross_job_batch_holds_jobs_of_one_set_only() {
     spec.top = "batch_jobs = 5".into();
     let worker = Worker::start(&server.url(), spec);
     let results = results(&outcomes(&js, &shots, Duration::from_secs(120)).await);
+    // Every job acked: its "job done" line, written before the ack, is in the log.
+    wait_settled(&js, Duration::from_secs(20)).await;
 
     // Three groups: the base and weight-0 jobs, mei's two jobs (in that order: the base model is
     // always on the device), kai's alone.
