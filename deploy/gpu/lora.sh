@@ -28,7 +28,8 @@ log() { echo "[$(date +%T) +${SECONDS}s] $*"; }
 
 if [ ! -f "$SDXL_LORA/unet/lora_map.json" ]; then
     rm -rf "$SDXL_LORA"
-    cp -al "$SDXL" "$SDXL_LORA" || exit 4
+    # A real copy: onnx refuses external data with several hard links (a "hardlink attack").
+    cp -a "$SDXL" "$SDXL_LORA" || exit 4
     log "lora_ready.py on $SDXL_LORA (${LORA_SOURCE:---random-weights}, seed 0, rebuilt on ${LORA_DEVICE:-cuda})"
     t0=$SECONDS
     python3 onnx/lora_ready.py "$SDXL_LORA" "${LORA_SOURCE:---random-weights}" --seed 0 --device "${LORA_DEVICE:-cuda}" \
