@@ -10,6 +10,8 @@
 //! # the GPU lease (deploy/gpu/lease.sh stage lora): full-size SDXL prepared with onnx/lora_ready.py,
 //! # today's graph beside it for the base job's time
 //! lora_bench --model /root/sdxl-lora --base-model /root/sdxl --device cuda --size 1024 --steps 8
+//! # --cuda-graph: base renders replay CUDA graphs as a `graph = true` worker's do (the fused UNet
+//! # captures; the plain fp16 export does not, so it is off unless asked for)
 //! # random LoRAs to push with `shotfleet lora push` (the lease's storyboard stage): kohya files
 //! # of the first of --ranks over the usual layers of the model's maps, char-1..N.safetensors
 //! lora_bench --model /root/sdxl-lora --write-loras /root/board-loras --count 4 --ranks 32
@@ -37,6 +39,8 @@ struct Args {
     base_model: Option<PathBuf>,
     synthetic: Option<f64>,
     cuda: bool,
+    /// Replay the UNet as CUDA graphs (`[cuda.unet] graph`); LoRA renders run uncaptured anyway.
+    cuda_graph: bool,
     gpu: u32,
     ranks: Vec<usize>,
     size: u32,
@@ -48,7 +52,7 @@ struct Args {
 }
 
 fn parse_args() -> Result<Args, String> {
-    let mut args = Args { model: None, base_model: None, synthetic: None, cuda: false, gpu: 0, ranks: vec![32, 128], size: 64, steps: 8, runs: 3, write_loras: None, count: 4 };
+    let mut args = Args { model: None, base_model: None, synthetic: None, cuda: false, cuda_graph: false, gpu: 0, ranks: vec![32, 128], size: 64, steps: 8, runs: 3, write_loras: None, count: 4 };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
         let mut value = || it.next().ok_or(format!("{flag} needs a value"));
@@ -57,6 +61,7 @@ fn parse_args() -> Result<Args, String> {
             "--base-model" => args.base_model = Some(value()?.into()),
             "--synthetic-sdxl" => args.synthetic = Some(value()?.parse().map_err(|e| format!("--synthetic-sdxl: {e}"))?),
             "--device" => args.cuda = value()? == "cuda",
+            "--cuda-graph" => args.cuda_graph = true,
             "--gpu" => args.gpu = value()?.parse().map_err(|e| format!("--gpu: {e}"))?,
             "--ranks" => args.ranks = value()?.split(',').map(|r| r.parse().map_err(|e| format!("--ranks: {e}"))).collect::<Result<_, _>>()?,
             "--size" => args.size = value()?.parse().map_err(|e| format!("--size: {e}"))?,
@@ -152,9 +157,9 @@ fn all_modules(maps: &WeightMaps) -> Vec<(Part, String, Vec<usize>)> {
 
 fn options(args: &Args) -> PipelineOptions {
     let device = if args.cuda {
-        // The fleet's tuned UNet options (deploy/gpu/fleet.toml), CUDA graphs on: base renders
-        // replay them, LoRA renders run uncaptured.
-        let unet = CudaTuning { conv_algo_search: shotfleet_consumer::pipeline::ConvSearch::Heuristic, graph: true, ..CudaTuning::default() };
+        // The fleet's tuned UNet options (deploy/gpu/fleet.toml); with --cuda-graph base renders
+        // replay CUDA graphs and LoRA renders run uncaptured.
+        let unet = CudaTuning { conv_algo_search: shotfleet_consumer::pipeline::ConvSearch::Heuristic, graph: args.cuda_graph, ..CudaTuning::default() };
         Device::Cuda { gpu: args.gpu, mem_limit_bytes: None, cuda: CudaConfig { unet, ..CudaConfig::default() } }
     } else {
         Device::Cpu
@@ -192,6 +197,12 @@ fn device_used(gpu: u32) -> Option<u64> {
 #[cfg(not(feature = "cuda"))]
 fn device_used(_gpu: u32) -> Option<u64> {
     None
+}
+
+/// Bytes live tensors hold in every graph's arena (on the CPU with a capped arena, the one
+/// shared arena counted once per graph: differences only).
+fn arenas_in_use(pipeline: &Pipeline) -> u64 {
+    pipeline.arena_stats().iter().filter_map(|(_, stats)| stats.map(|s| s.in_use)).sum()
 }
 
 fn real_model(model: &Path, args: &Args) -> Result<(), Box<dyn std::error::Error>> {
@@ -236,12 +247,16 @@ fn real_model(model: &Path, args: &Args) -> Result<(), Box<dyn std::error::Error
         let t = Instant::now();
         let merged = pipeline.merge_loras(adapters)?;
         let merge = t.elapsed();
-        let before = device_used(args.gpu);
+        let (before, arenas_before) = (device_used(args.gpu), arenas_in_use(&pipeline));
         let t = Instant::now();
         let placed = pipeline.place_loras(&merged)?;
         let place = t.elapsed();
-        let after = device_used(args.gpu);
+        let (after, arenas_after) = (device_used(args.gpu), arenas_in_use(&pipeline));
+        // NVML sees only what the arenas take from the device: a set placed into room an
+        // earlier (dropped) set left in them grows nothing there. The arenas' bytes in use are
+        // what the set holds.
         let measured = before.zip(after).map(|(b, a)| a.saturating_sub(b));
+        let held = arenas_after.saturating_sub(arenas_before);
         // Alternating base and styled renders, so both see the same machine.
         let (mut base_samples, mut styled_samples) = (Vec::new(), Vec::new());
         for _ in 0..3 {
@@ -251,13 +266,15 @@ fn real_model(model: &Path, args: &Args) -> Result<(), Box<dyn std::error::Error
         let (base, styled) = (median(base_samples), median(styled_samples));
         emit(json!({
             "what": "set", "set": label, "targets": targets, "initializers": merged.len(), "bytes": bytes,
-            "device_bytes_measured": measured, "merge_ms": ms(merge), "place_ms": ms(place),
+            "device_bytes_measured": measured, "arena_bytes_held": held, "held_vs_bytes": held as f64 / bytes as f64, "merge_ms": ms(merge), "place_ms": ms(place),
             "unet_step_ms": styled, "unet_step_base_ms": base, "speed_vs_base": base / styled,
         }));
         summary.push(format!(
-            "{label}: {targets} layers in {} weights, {:.1} MiB{}; merge {:.0} ms, place {:.0} ms; UNet step {styled:.2} ms ({:.3}x base speed)",
+            "{label}: {targets} layers in {} weights, {:.1} MiB, held in the arenas {:.1} MiB ({:+.2}%){}; merge {:.0} ms, place {:.0} ms; UNet step {styled:.2} ms ({:.3}x base speed)",
             merged.len(),
             bytes as f64 / (1 << 20) as f64,
+            held as f64 / (1 << 20) as f64,
+            (held as f64 / bytes as f64 - 1.0) * 100.0,
             measured.map(|m| format!(" (device grew {:.1} MiB)", m as f64 / (1 << 20) as f64)).unwrap_or_default(),
             ms(merge),
             ms(place),

@@ -13,7 +13,7 @@
 #      from a local-folder library.
 #
 # Writes lora-ready.log, lora.jsonl, lora.txt to $RESULTS (and the last two to $OUT).
-# Knobs: LORA_RANKS (32,128), LORA_SIZE (1024), LORA_STEPS (8), LORA_RUNS (3); for a dry run on a
+# Knobs: LORA_GRAPH (set: base renders replay CUDA graphs; the fused UNet only), LORA_RANKS (32,128), LORA_SIZE (1024), LORA_STEPS (8), LORA_RUNS (3); for a dry run on a
 # CPU machine (README): LORA_SOURCE=--tiny-config LORA_DEVICE=cpu LORA_BENCH=<a CPU build>.
 set -uo pipefail
 
@@ -42,7 +42,7 @@ fi
 
 log "lora_bench: today's graph $SDXL beside $SDXL_LORA"
 timeout -k 10 "${LORA_BENCH_TIMEOUT_S:-240}" "$BENCH" --model "$SDXL_LORA" --base-model "$SDXL" --device "${LORA_DEVICE:-cuda}" \
-    --ranks "${LORA_RANKS:-32,128}" --size "${LORA_SIZE:-1024}" --steps "${LORA_STEPS:-8}" --runs "${LORA_RUNS:-3}" \
+    --ranks "${LORA_RANKS:-32,128}" --size "${LORA_SIZE:-1024}" --steps "${LORA_STEPS:-8}" --runs "${LORA_RUNS:-3}" ${LORA_GRAPH:+--cuda-graph} \
     > "$RESULTS/lora.jsonl" 2> "$RESULTS/lora.txt"
 rc=$?
 cat "$RESULTS/lora.txt"

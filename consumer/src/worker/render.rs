@@ -27,6 +27,8 @@ use crate::worker::{Shared, shrink_arenas};
 
 /// How long a job with no room here waits before it is offered again.
 const NO_ROOM_DELAY: Duration = Duration::from_millis(500);
+/// How often a job waiting here for room looks again.
+const ROOM_POLL: Duration = Duration::from_millis(200);
 /// How long a job waits after an out-of-memory before it is offered again: long enough for
 /// another worker's pull.
 const OOM_DELAY: Duration = Duration::from_secs(1);
@@ -55,17 +57,7 @@ pub(crate) async fn render_job(shared: &Arc<Shared>, taken: &Taken) -> Result<Re
     let (delivery, job) = (&taken.delivery, taken.job());
     let pending = shared.loras.pending(shared, taken.set.as_ref()).await?;
     let set_bytes = pending.bytes();
-    let Some((batch, mut reservation)) = plan(shared, job, set_bytes) else {
-        if shared.budget.holds_one(job.width, job.height, set_bytes).unwrap_or(true) {
-            return Err(JobError::give_back(NO_ROOM_DELAY, "no room for this job now"));
-        }
-        // Not one image fits this card with nothing else in flight: as if it ran out of memory
-        // one image at a time. A LoRA set does not shrink with the image: a card too small for
-        // the set is left behind by the degraded job too, down to its floor (reason `oom`).
-        let set = taken.set.as_ref().map(|set| format!(" and its LoRA set {set} ({} MiB to place)", set_bytes / MIB)).unwrap_or_default();
-        let detail = format!("{}x{}{set}: not one image fits {} beside what else is on its card", job.width, job.height, shared.config.worker_id);
-        return Err(hand_off_or_degrade(shared, delivery, job, detail).await);
-    };
+    let (batch, mut reservation) = room_for(shared, taken, set_bytes).await?;
     let set = shared.loras.place(shared, pending, &mut reservation).await?;
     let mut attempt = Attempt { batch, vae: VaeDecode::Whole };
     let deadline = Instant::now() + shared.config.job_time_limit;
@@ -97,6 +89,49 @@ pub(crate) async fn render_job(shared: &Arc<Shared>, taken: &Taken) -> Result<Re
     }
 }
 
+/// The job's first sub-batch, reserved. With no room now but room on this card once its other
+/// renders end, the job is given back while it has deliveries to spare (another worker may have
+/// room now); after that it waits here for room, so that give-backs alone never use up its
+/// deliveries and send a healthy job to `SHOTS_FAILED` as `max_deliveries` (a busy small card
+/// did that to 5 of 200 jobs in the 2026-12-01 lease).
+async fn room_for(shared: &Shared, taken: &Taken, set_bytes: u64) -> Result<(u32, Reservation), JobError> {
+    let (delivery, job) = (&taken.delivery, taken.job());
+    let gives_up = Instant::now() + shared.config.job_time_limit;
+    let mut waiting = false;
+    loop {
+        if let Some(planned) = plan(shared, job, set_bytes) {
+            return Ok(planned);
+        }
+        if !shared.budget.holds_one(job.width, job.height, set_bytes).unwrap_or(true) {
+            // Not one image fits this card with nothing else in flight: as if it ran out of
+            // memory one image at a time. A LoRA set does not shrink with the image: a card too
+            // small for the set is left behind by the degraded job too, down to its floor.
+            let set = taken.set.as_ref().map(|set| format!(" and its LoRA set {set} ({} MiB to place)", set_bytes / MIB)).unwrap_or_default();
+            let detail = format!("{}x{}{set}: not one image fits {} beside what else is on its card", job.width, job.height, shared.config.worker_id);
+            return Err(hand_off_or_degrade(shared, delivery, job, detail).await);
+        }
+        if spares_deliveries(delivery.attempt, shared.max_deliver) || Instant::now() >= gives_up || shared.stop.is_cancelled() {
+            return Err(JobError::give_back(NO_ROOM_DELAY, "no room for this job now"));
+        }
+        if !waiting {
+            info!(job = %job.job_id, delivery = delivery.attempt, max_deliver = shared.max_deliver, "no room now; waiting here for this worker's renders to end (half the job's deliveries are used)");
+            waiting = true;
+        }
+        tokio::select! {
+            () = tokio::time::sleep(ROOM_POLL) => {}
+            () = shared.stop.cancelled() => {}
+            () = taken.watch.settled.cancelled() => return Err(JobError::give_back(Duration::ZERO, "settled while it waited for room")),
+        }
+    }
+}
+
+/// Whether the job has deliveries to spare for a give-back: its first half of the consumer's
+/// `max_deliver`. Past it, a job with no room waits for room and one that a card cannot hold is
+/// degraded without waiting out the hand-off window.
+fn spares_deliveries(attempt: u64, max_deliver: u64) -> bool {
+    attempt.saturating_mul(2) < max_deliver
+}
+
 /// Counts an out-of-memory of the job message in the attempts bucket and returns the fleet's
 /// counts (without the bucket: the delivery count, and a first one long past).
 async fn out_of_memory(shared: &Shared, delivery: &Delivery, job: &ShotJob) -> Counts {
@@ -113,7 +148,7 @@ async fn hand_off_or_degrade(shared: &Shared, delivery: &Delivery, job: &ShotJob
     let counts = out_of_memory(shared, delivery, job).await;
     let since_first = counts.first_oom_ms.map_or(Duration::ZERO, |first| Duration::from_millis(commit::now_ms().saturating_sub(first)));
     let handoff = shared.config.degrade.handoff;
-    if since_first < handoff {
+    if since_first < handoff && spares_deliveries(delivery.attempt, shared.max_deliver) {
         let left = handoff - since_first;
         return JobError::give_back(OOM_DELAY, format!("{detail}; offered to the fleet at full size for {:.0}s more before it is degraded", left.as_secs_f64()));
     }
@@ -315,5 +350,22 @@ impl AbortOnDrop {
 impl Drop for AbortOnDrop {
     fn drop(&mut self) {
         self.0.abort();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::spares_deliveries;
+
+    #[test]
+    fn give_backs_stop_at_half_the_deliveries() {
+        // The default consumers (max_deliver 20): deliveries 1 to 9 may give the job back;
+        // from the tenth it waits here for room, or is degraded.
+        assert!((1..=9).all(|attempt| spares_deliveries(attempt, 20)));
+        assert!((10..=20).all(|attempt| !spares_deliveries(attempt, 20)));
+        // A consumer with one or two deliveries never gives a job back for room.
+        assert!(!spares_deliveries(1, 1) && !spares_deliveries(1, 2));
+        // No limit: always.
+        assert!(spares_deliveries(1_000_000, u64::MAX));
     }
 }
