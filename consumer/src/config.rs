@@ -158,7 +158,8 @@ pub struct WorkerConfig {
     /// `"auto"`. Of these it serves those whose largest one-image size the calibrated budget
     /// holds at start (budget/classes.rs); `/readyz` and `shotfleet_class_servable` say which.
     pub classes: Classes,
-    /// Jobs rendered at the same time (each in its own UNet batches).
+    /// Jobs rendered at the same time (each in its own UNet batches); as many more may be
+    /// uploading and committing, their renders done.
     pub concurrency: usize,
     /// Up to this many compatible jobs (same size, steps, guidance) fetched together are rendered
     /// in shared UNet batches, when the budget holds all their images. 1: off.

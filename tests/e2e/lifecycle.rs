@@ -285,3 +285,31 @@ async fn a_deleted_bucket_stops_the_worker_and_fails_no_job() {
     assert_eq!(result.worker, "healthy");
     assert_eq!(result.status, ResultStatus::Done);
 }
+
+#[tokio::test]
+async fn the_next_render_starts_while_a_rendered_job_uploads() {
+    let server = NatsServer::start();
+    let js = jetstream_with(&server.url(), &Topology::default()).await;
+    let s3 = S3Server::start();
+    s3.create_bucket("renders");
+    let proxy = TcpProxy::start(&s3.endpoint());
+    let scratch = tempfile::tempdir().unwrap();
+    let mut spec = WorkerSpec::new("overlapping", scratch.path());
+    spec.store_url = "s3://renders/shotfleet".into();
+    spec.extra = "\n[store.retry]\nmax_elapsed_ms = 60000\n".into();
+    spec.env = S3Server::credentials().iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+    spec.env.push(("AWS_ENDPOINT_URL".into(), proxy.endpoint()));
+    let worker = Worker::start(&server.url(), spec);
+    // Uploads of seconds (a 256x256 noise PNG at 64 KiB/s), renders of a fraction, one slot.
+    proxy.throttle(Some(64 * 1024));
+    let shots: Vec<_> = (1..=2).map(|i| shot(Priority::P1, job(&format!("overlap-{i}"), "acme", (256, 256), 2, 1))).collect();
+    submit(&js, &shots).await;
+    let done = results(&outcomes(&js, &shots, Duration::from_secs(120)).await);
+    assert_eq!(done.len(), 2);
+    // The job committed first was still uploading when the other one's render ended.
+    let log = worker.log();
+    let lines: Vec<&str> = log.lines().collect();
+    let first_done = lines.iter().position(|l| l.contains("job done")).unwrap_or_else(|| panic!("{log}"));
+    let rendered_before: Vec<&&str> = lines[..first_done].iter().filter(|l| l.contains("observed peak")).collect();
+    assert_eq!(rendered_before.len(), 2, "both renders ended before the first commit:\n{log}");
+}

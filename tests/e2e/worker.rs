@@ -269,7 +269,8 @@ async fn an_idle_worker_gives_back_its_arena_cache_for_a_class_that_does_not_fit
     let line_of = |message: &str, job: &str| {
         lines.iter().position(|l| l.contains(message) && l.contains(job)).unwrap_or_else(|| panic!("no `{message}` line of {job}:\n{log}"))
     };
-    let (first_done, second_rendered) = (line_of("job done", "cache-maker"), line_of("observed peak", "needs-room"));
+    // From the first render's end (its slot is free then, before its upload and commit).
+    let (first_done, second_rendered) = (line_of("observed peak", "cache-maker"), line_of("observed peak", "needs-room"));
     assert!(
         lines[first_done..second_rendered].iter().any(|l| l.contains("a class does not fit while idle")),
         "the second job got in without a shrink: the test's card is too roomy\n{log}"

@@ -5,7 +5,8 @@
 //! waited for a slot, so nothing is prefetched. No idle heartbeats (NATS-NOTES: they can lose a
 //! message on fetch).
 
-use std::time::Instant;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
 use async_nats::jetstream::consumer::PullConsumer;
 use async_nats::jetstream::stream::Stream;
@@ -21,6 +22,11 @@ use crate::worker::priority::Scheduler;
 pub struct Consumers {
     render: Vec<(Origin, PullConsumer)>,
     auto: Vec<(Origin, PullConsumer)>,
+    /// When each of `render` was last found empty: it is skipped for `recheck_empty` after, so
+    /// that a busy worker does not spend a server round trip per job on every empty priority
+    /// and class ahead of the one with work (a job arriving there waits that long at most).
+    found_empty: Mutex<Vec<Option<Instant>>>,
+    recheck_empty: Duration,
 }
 
 impl Consumers {
@@ -28,7 +34,7 @@ impl Consumers {
     ///
     /// # Errors
     /// The consumer that is missing, with the command that creates it.
-    pub async fn bind(stream: &Stream, classes: &[MemoryClass]) -> Result<Self, String> {
+    pub async fn bind(stream: &Stream, classes: &[MemoryClass], recheck_empty: Duration) -> Result<Self, String> {
         let mut render = Vec::new();
         let mut auto = Vec::new();
         for &priority in Priority::ALL {
@@ -46,7 +52,8 @@ impl Consumers {
                 }
             }
         }
-        Ok(Self { render, auto })
+        let found_empty = Mutex::new(vec![None; render.len()]);
+        Ok(Self { render, auto, found_empty, recheck_empty })
     }
 
     /// The consumers' `ack_wait` (keep-alives go well inside it) and `max_deliver`; all share
@@ -74,12 +81,16 @@ impl Consumers {
                     polled_all = false;
                     continue;
                 }
-                let Some((origin, consumer)) =
-                    self.render.iter().find(|(o, _)| o.priority == priority && o.class == SubjectClass::Class(*class))
-                else {
+                let Some(index) = self.render.iter().position(|(o, _)| o.priority == priority && o.class == SubjectClass::Class(*class)) else {
                     continue;
                 };
-                taken.extend(pull(consumer, *origin, room).await);
+                if self.recently_empty(index, now) {
+                    continue;
+                }
+                let (origin, consumer) = &self.render[index];
+                let pulled = pull(consumer, *origin, room).await;
+                self.found_empty.lock().unwrap_or_else(std::sync::PoisonError::into_inner)[index] = pulled.is_empty().then(Instant::now);
+                taken.extend(pulled);
             }
             // Served, or found with nothing waiting in every class it could take.
             if taken.len() > before || polled_all {
@@ -90,6 +101,11 @@ impl Consumers {
             }
         }
         taken
+    }
+
+    fn recently_empty(&self, index: usize, now: Instant) -> bool {
+        let found_empty = self.found_empty.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        found_empty[index].is_some_and(|at| now.saturating_duration_since(at) < self.recheck_empty)
     }
 
     /// Jobs waiting on `auto` subjects (routing is cheap: no budget, no slot).

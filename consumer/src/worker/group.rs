@@ -66,7 +66,7 @@ pub async fn handle(shared: Arc<Shared>, deliveries: Vec<Delivery>) {
     for members in resident_first(groups.into_values(), |taken: &Taken| shared.loras.is_resident(taken.set.as_ref())) {
         if members.len() == 1 || !render_together(&shared, &members).await {
             for taken in &members {
-                let handled = render_and_commit(&shared, taken).await;
+                let handled = render_and_commit(&shared, taken, None).await;
                 finish(&shared, taken, handled).await;
             }
         }

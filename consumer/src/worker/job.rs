@@ -21,7 +21,7 @@ use crate::worker::progress::Reporter;
 use crate::worker::render::{Rendered, render_job};
 use crate::worker::settle::{Handled, Held, settle};
 use crate::worker::watch::OutcomeWatch;
-use crate::worker::{Shared, route};
+use crate::worker::{Shared, Slot, route};
 
 /// A delivery taken by this worker: kept alive until it is settled.
 pub(crate) struct Taken {
@@ -36,7 +36,32 @@ pub(crate) struct Taken {
     pub reporter: Option<Reporter>,
     /// Fires when an outcome lands that settles the job (a cancellation): its work stops.
     pub watch: OutcomeWatch,
+    _holding: Option<Holding>,
     _alive: KeepAlive,
+}
+
+/// How long a second delivery of a job this worker holds waits before it is offered again.
+const HELD_HERE_DELAY: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// This worker's hold on a job (its `project/job_id` in [`Shared::held`]), until dropped.
+struct Holding {
+    held: Arc<std::sync::Mutex<std::collections::HashSet<String>>>,
+    key: String,
+}
+
+impl Holding {
+    /// `None` when this worker holds the job already.
+    fn take(shared: &Shared, job: &ShotJob) -> Option<Holding> {
+        let key = format!("{}/{}", job.project, job.job_id);
+        let inserted = shared.held.lock().unwrap_or_else(std::sync::PoisonError::into_inner).insert(key.clone());
+        inserted.then(|| Holding { held: shared.held.clone(), key })
+    }
+}
+
+impl Drop for Holding {
+    fn drop(&mut self) {
+        self.held.lock().unwrap_or_else(std::sync::PoisonError::into_inner).remove(&self.key);
+    }
 }
 
 impl Taken {
@@ -59,11 +84,12 @@ pub(crate) enum Next {
 }
 
 /// Handles one delivery to the end: it is acked, naked, terminated or routed when this returns.
-pub async fn handle(shared: Arc<Shared>, delivery: Delivery) {
+/// `slot`, the fetch loop's render slot it holds, is given back once its render has ended.
+pub(crate) async fn handle(shared: Arc<Shared>, delivery: Delivery, slot: Option<Slot>) {
     let _in_flight = telemetry::in_flight();
     let (taken, next) = take(&shared, delivery).await;
     let handled = match next {
-        Next::Render => render_and_commit(&shared, &taken).await,
+        Next::Render => render_and_commit(&shared, &taken, slot).await,
         Next::Settle(handled) => handled,
     };
     finish(&shared, &taken, handled).await;
@@ -94,7 +120,20 @@ pub(crate) async fn finish(shared: &Shared, taken: &Taken, handled: Handled) {
 pub(crate) async fn take(shared: &Shared, delivery: Delivery) -> (Taken, Next) {
     telemetry::queue_wait(delivery.origin.priority, delivery.queued);
     let _alive = KeepAlive::start(&delivery, shared.keep_alive_interval());
-    let (job, last_outcome, mut next) = match decode(shared, &delivery) {
+    let decoded = decode(shared, &delivery);
+    let holding = decoded.as_ref().ok().map(|job| Holding::take(shared, job));
+    if let Some(None) = holding {
+        let job = decoded.ok();
+        info!(job = job.as_ref().map_or("?", |j| j.job_id.as_str()), "this worker already holds another delivery of the job; giving this one back");
+        let busy = Handled::Stopped(JobError::give_back(HELD_HERE_DELAY, "another delivery of the job is in progress on this worker"));
+        return (Taken { delivery, job, last_outcome: 0, set: None, reporter: None, watch: OutcomeWatch::none(), _holding: None, _alive }, Next::Settle(busy));
+    }
+    // Before the look-up below: an outcome stored after it reaches the watch.
+    let subscribed = match &decoded {
+        Ok(job) => Some(OutcomeWatch::subscribe(shared, job).await),
+        Err(_) => None,
+    };
+    let (job, last_outcome, mut next) = match decoded {
         Err(rejected) => {
             let Rejected { job, why } = *rejected;
             (job, 0, Next::Settle(Handled::Stopped(JobError::invalid(why.to_string()))))
@@ -124,16 +163,16 @@ pub(crate) async fn take(shared: &Shared, delivery: Delivery) -> (Taken, Next) {
             Err(e) => next = Next::Settle(Handled::Stopped(e)),
         }
     }
-    let (reporter, watch) = match (&job, &next) {
-        (Some(job), Next::Render) => {
-            let watch = OutcomeWatch::start(shared, job, delivery.published).await;
+    let (reporter, watch) = match (&job, &next, subscribed) {
+        (Some(job), Next::Render, Some(subscribed)) => {
+            let watch = OutcomeWatch::start(shared, job, delivery.published, subscribed);
             let reporter = Reporter::new(shared, job);
             reporter.send(ProgressEvent::Taken, None, None).await;
             (Some(reporter), watch)
         }
         _ => (None, OutcomeWatch::none()),
     };
-    (Taken { delivery, job, last_outcome, set, reporter, watch, _alive }, next)
+    (Taken { delivery, job, last_outcome, set, reporter, watch, _holding: holding.flatten(), _alive }, next)
 }
 
 /// A job that can never be rendered, with the job when the payload was readable enough.
@@ -159,13 +198,19 @@ fn decode(shared: &Shared, delivery: &Delivery) -> Result<ShotJob, Box<Rejected>
     Ok(job)
 }
 
-/// Renders a taken job on its own and commits it.
-pub(crate) async fn render_and_commit(shared: &Arc<Shared>, taken: &Taken) -> Handled {
+/// Renders a taken job on its own and commits it. The render `slot` (if it holds one) is
+/// handed over for a commit permit once the render is done: the next job renders while this
+/// one uploads and commits.
+pub(crate) async fn render_and_commit(shared: &Arc<Shared>, taken: &Taken, slot: Option<Slot>) -> Handled {
     if let Some(settled) = settled_elsewhere(shared, taken).await {
         return settled;
     }
     match render_job(shared, taken).await {
-        Ok(Rendered { output, elapsed }) => commit_output(shared, taken, output, elapsed).await,
+        Ok(Rendered { output, elapsed }) => {
+            let _committing = shared.commits.clone().acquire_owned().await;
+            drop(slot);
+            commit_output(shared, taken, output, elapsed).await
+        }
         Err(error) => settled_elsewhere(shared, taken).await.unwrap_or(Handled::Stopped(error)),
     }
 }

@@ -139,6 +139,13 @@ pub struct Shared {
     pub abort: CancellationToken,
     /// Cancelled to stop fetching: shutdown, a driver fault, a restart.
     pub stop: CancellationToken,
+    /// Rendered jobs being uploaded and committed, `concurrency` at most: a job gives its render
+    /// slot back once it holds one of these, so the next render starts while it uploads.
+    pub commits: Arc<Semaphore>,
+    /// The jobs (`project/job_id`) this worker holds a delivery of: a second delivery of one
+    /// (redelivered while the first is still here, or the job published twice) is given back
+    /// for another worker rather than rendered beside it.
+    pub held: Arc<std::sync::Mutex<std::collections::HashSet<String>>>,
     /// Why the worker must exit with a non-zero code, once known.
     exit: std::sync::Mutex<Option<WorkerError>>,
 }
@@ -273,7 +280,7 @@ pub async fn run(
     let cancels = cancel::subscribe(&client).await.map_err(|e| WorkerError::start("listen for cancel requests", e))?;
     let pings = ping::subscribe(&client).await.map_err(|e| WorkerError::start("listen for pings", e))?;
     let mut consumers =
-        fetch::Consumers::bind(&jobs_stream, &config.classes).await.map_err(|e| WorkerError::start("bind consumers", e))?;
+        fetch::Consumers::bind(&jobs_stream, &config.classes, config.idle_poll).await.map_err(|e| WorkerError::start("bind consumers", e))?;
     let (ack_wait, max_deliver) = consumers.limits().await.map_err(|e| WorkerError::start("read consumer limits", e))?;
     let attempts = attempts::Attempts::open(&js).await.map_err(|e| WorkerError::start("open the attempts bucket", e))?;
     let lora_env = env.clone();
@@ -291,6 +298,7 @@ pub async fn run(
     let idle_room = ready.budget.status().map_or(0, |status| status.budget);
     let loras = lora::Loras::open(&config, lora_env, &ready.pipeline, idle_room).map_err(|e| WorkerError::start("open the LoRA library", e))?;
     ready.budget.count_line(loras.line());
+    let config_concurrency = config.concurrency;
     let shared = Arc::new(Shared {
         config,
         js,
@@ -309,6 +317,8 @@ pub async fn run(
         progress_interval,
         abort: CancellationToken::new(),
         stop: stop.clone(),
+        commits: Arc::new(Semaphore::new(config_concurrency)),
+        held: Arc::default(),
         exit: std::sync::Mutex::new(None),
     });
     let _advisories = advisory::listen(shared.clone(), advisories);
@@ -376,6 +386,7 @@ async fn fetch_loop(shared: &Arc<Shared>, consumers: &fetch::Consumers, tracker:
         scheduler: priority::Scheduler::new(&shared.config.priorities, Instant::now()),
         idle: shared.config.idle_poll,
         shrunk_for_room: false,
+        routed_at: None,
     };
     while !shared.stop.is_cancelled() {
         let routed = fetching.route().await;
@@ -401,6 +412,21 @@ async fn fetch_loop(shared: &Arc<Shared>, consumers: &fetch::Consumers, tracker:
 /// The worker must stop fetching (a driver fault).
 struct Stop;
 
+/// A render slot of the fetch loop, held by a job from its start until its render ends (or
+/// until it ends without one): dropping it frees the slot and wakes the loop to fill it.
+pub(crate) struct Slot {
+    permit: Option<tokio::sync::OwnedSemaphorePermit>,
+    finished: Arc<Notify>,
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        // The permit first: the loop, once woken, must find the slot free.
+        self.permit.take();
+        self.finished.notify_one();
+    }
+}
+
 /// What the fetch loop keeps between rounds.
 struct Fetching<'a> {
     shared: &'a Arc<Shared>,
@@ -415,6 +441,8 @@ struct Fetching<'a> {
     idle: Duration,
     /// Whether the arenas were shrunk since nothing last fitted: once per stall is enough.
     shrunk_for_room: bool,
+    /// When the `auto` subjects were last found empty (`None`: look on the next round).
+    routed_at: Option<Instant>,
 }
 
 impl Fetching<'_> {
@@ -423,12 +451,18 @@ impl Fetching<'_> {
     }
 
     /// Hands jobs waiting on `auto` subjects to tasks of their own (routing needs no budget and
-    /// no slot). Whether there were any.
-    async fn route(&self) -> bool {
+    /// no slot). Whether there were any. Once they are found empty they are looked at again
+    /// after `idle_poll`, not on every round: a busy worker's rounds come one per job, and a
+    /// pull on the `auto` consumer each time would be a server round trip per job for nothing.
+    async fn route(&mut self) -> bool {
+        if self.routed_at.is_some_and(|at| at.elapsed() < self.shared.config.idle_poll) {
+            return false;
+        }
         let deliveries = self.consumers.next_unrouted(16).await;
         let any = !deliveries.is_empty();
+        self.routed_at = (!any).then(Instant::now);
         for delivery in deliveries {
-            self.tracker.spawn(job::handle(self.shared.clone(), delivery));
+            self.tracker.spawn(job::handle(self.shared.clone(), delivery, None));
         }
         any
     }
@@ -483,14 +517,16 @@ impl Fetching<'_> {
             // This job's render gives its arenas back at its end: the next starts cold.
             self.shared.pipeline().request_arena_shrink();
         }
-        let (shared, finished) = (self.shared.clone(), self.finished.clone());
+        let slot = Slot { permit: Some(permit), finished: self.finished.clone() };
+        let shared = self.shared.clone();
         self.tracker.spawn(async move {
             match <[_; 1]>::try_from(batch) {
-                Ok([delivery]) => job::handle(shared, delivery).await,
-                Err(batch) => group::handle(shared, batch).await,
+                Ok([delivery]) => job::handle(shared, delivery, Some(slot)).await,
+                Err(batch) => {
+                    group::handle(shared, batch).await;
+                    drop(slot);
+                }
             }
-            drop(permit);
-            finished.notify_one();
         });
     }
 

@@ -24,25 +24,35 @@ pub struct OutcomeWatch {
     _task: Option<AbortOnDrop>,
 }
 
+/// A subscription to one job's result subject, made before the job's outcome is looked up at
+/// its take: every outcome stored after that look-up arrives here.
+pub struct Subscribed(Option<async_nats::Subscriber>);
+
 impl OutcomeWatch {
-    /// Starts watching for an outcome that settles the job message published at `published`.
-    /// Without a subscription (the server refused it) the job is only settled at its commit.
-    pub async fn start(shared: &Shared, job: &ShotJob, published: SystemTime) -> Self {
-        let settled = CancellationToken::new();
-        let target = subject::result(&job.project, &job.job_id);
-        let mut outcomes = match shared.js.client().subscribe(target).await {
-            Ok(subscription) => subscription,
+    /// Subscribes to the job's result subject. Without a subscription (the server refused it)
+    /// the job is only settled at its commit.
+    pub async fn subscribe(shared: &Shared, job: &ShotJob) -> Subscribed {
+        match shared.js.client().subscribe(subject::result(&job.project, &job.job_id)).await {
+            Ok(subscription) => Subscribed(Some(subscription)),
             Err(e) => {
                 warn!(job = %job.job_id, error = %e, "cannot watch the job's result subject; a cancel stops it only at its commit");
-                return Self { settled, _task: None };
+                Subscribed(None)
             }
+        }
+    }
+
+    /// Starts watching for an outcome that settles the job message published at `published`,
+    /// on a subscription made before the take looked the outcome up (so nothing stored since
+    /// that look-up goes unseen, and it need not be repeated here).
+    pub fn start(shared: &Shared, job: &ShotJob, published: SystemTime, subscribed: Subscribed) -> Self {
+        let settled = CancellationToken::new();
+        let Subscribed(Some(mut outcomes)) = subscribed else {
+            return Self { settled, _task: None };
         };
         let (results, token) = (shared.results.clone(), settled.clone());
         let (project, job_id, worker) = (job.project.clone(), job.job_id.clone(), shared.config.worker_id.clone());
         let task = tokio::spawn(async move {
-            // One look after subscribing: an outcome stored between the take and the
-            // subscription would otherwise go unseen.
-            loop {
+            while outcomes.next().await.is_some() {
                 match commit::last_outcome_in(&results, &project, &job_id).await {
                     // This worker's own result: the job is done here, nothing to stop.
                     Ok(Some(outcome)) if outcome.result.is_rendered() && outcome.result.worker == worker => return,
@@ -53,9 +63,6 @@ impl OutcomeWatch {
                     }
                     Ok(_) => {}
                     Err(e) => warn!(job = %job_id, error = %e.detail, "cannot read the job's outcome"),
-                }
-                if outcomes.next().await.is_none() {
-                    return;
                 }
             }
         });
