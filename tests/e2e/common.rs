@@ -84,6 +84,17 @@ impl WorkerSpec {
         }
     }
 
+    /// The same worker storing its images in the moto bucket `renders` under `shotfleet`,
+    /// reached at `endpoint` (the server's, or a proxy's in front of it), with the store's
+    /// retries given up after `max_elapsed_ms`.
+    pub fn on_s3(mut self, endpoint: &str, max_elapsed_ms: u64) -> Self {
+        self.store_url = "s3://renders/shotfleet".into();
+        self.extra = format!("\n[store.retry]\nmax_elapsed_ms = {max_elapsed_ms}\n");
+        self.env = shotfleet_testkit::S3Server::credentials().iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        self.env.push(("AWS_ENDPOINT_URL".into(), endpoint.to_owned()));
+        self
+    }
+
     /// The worker's config file.
     pub fn toml(&self, state: &Path, metrics_port: u16) -> String {
         format!(

@@ -236,12 +236,7 @@ async fn a_held_job_is_kept_alive_through_a_slow_upload() {
     s3.create_bucket("renders");
     let proxy = TcpProxy::start(&s3.endpoint());
     let scratch = tempfile::tempdir().unwrap();
-    let mut spec = WorkerSpec::new("patient", scratch.path());
-    spec.store_url = "s3://renders/shotfleet".into();
-    spec.extra = "\n[store.retry]\nmax_elapsed_ms = 60000\n".into();
-    spec.env = S3Server::credentials().iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
-    spec.env.push(("AWS_ENDPOINT_URL".into(), proxy.endpoint()));
-    let worker = Worker::start(&server.url(), spec);
+    let worker = Worker::start(&server.url(), WorkerSpec::new("patient", scratch.path()).on_s3(&proxy.endpoint(), 60_000));
     // Noise PNGs of 512x512 are hundreds of KiB: at 64 KiB/s the upload outlasts ack_wait.
     proxy.throttle(Some(64 * 1024));
     let j = shot(Priority::P1, job("slow-store-1", "acme", (512, 512), 2, 2));
@@ -261,14 +256,7 @@ async fn a_deleted_bucket_stops_the_worker_and_fails_no_job() {
     let s3 = S3Server::start();
     s3.create_bucket("renders");
     let scratch = tempfile::tempdir().unwrap();
-    let spec = |id: &str| {
-        let mut spec = WorkerSpec::new(id, scratch.path());
-        spec.store_url = "s3://renders/shotfleet".into();
-        spec.extra = "\n[store.retry]\nmax_elapsed_ms = 2000\n".into();
-        spec.env = S3Server::credentials().iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
-        spec.env.push(("AWS_ENDPOINT_URL".into(), s3.endpoint()));
-        spec
-    };
+    let spec = |id: &str| WorkerSpec::new(id, scratch.path()).on_s3(&s3.endpoint(), 2000);
     let mut worker = Worker::start(&server.url(), spec("orphaned"));
     s3.delete_all_buckets();
     let j = shot(Priority::P1, job("no-bucket-1", "acme", (64, 64), 2, 1));
@@ -294,12 +282,7 @@ async fn the_next_render_starts_while_a_rendered_job_uploads() {
     s3.create_bucket("renders");
     let proxy = TcpProxy::start(&s3.endpoint());
     let scratch = tempfile::tempdir().unwrap();
-    let mut spec = WorkerSpec::new("overlapping", scratch.path());
-    spec.store_url = "s3://renders/shotfleet".into();
-    spec.extra = "\n[store.retry]\nmax_elapsed_ms = 60000\n".into();
-    spec.env = S3Server::credentials().iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
-    spec.env.push(("AWS_ENDPOINT_URL".into(), proxy.endpoint()));
-    let worker = Worker::start(&server.url(), spec);
+    let worker = Worker::start(&server.url(), WorkerSpec::new("overlapping", scratch.path()).on_s3(&proxy.endpoint(), 60_000));
     // Uploads of seconds (a 256x256 noise PNG at 64 KiB/s), renders of a fraction, one slot.
     proxy.throttle(Some(64 * 1024));
     let shots: Vec<_> = (1..=2).map(|i| shot(Priority::P1, job(&format!("overlap-{i}"), "acme", (256, 256), 2, 1))).collect();

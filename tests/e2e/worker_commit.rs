@@ -112,12 +112,7 @@ async fn images_go_to_s3_with_the_same_protocol() {
     let s3 = S3Server::start();
     s3.create_bucket("renders");
     let scratch = tempfile::tempdir().unwrap();
-    let mut spec = WorkerSpec::new("s3-worker", scratch.path());
-    spec.store_url = "s3://renders/shotfleet".into();
-    spec.extra = "\n[store.retry]\nmax_elapsed_ms = 5000\n".into();
-    spec.env = S3Server::credentials().iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
-    spec.env.push(("AWS_ENDPOINT_URL".into(), s3.endpoint()));
-    let _worker = Worker::start(&server.url(), spec);
+    let _worker = Worker::start(&server.url(), WorkerSpec::new("s3-worker", scratch.path()).on_s3(&s3.endpoint(), 5000));
     let j = shot(Priority::P0, job("s3-1", "acme", (64, 64), 2, 2));
     submit(&js, std::slice::from_ref(&j)).await;
     let result = results(&outcomes(&js, &[j], Duration::from_secs(60)).await).remove(0);

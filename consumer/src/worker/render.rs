@@ -92,8 +92,7 @@ pub(crate) async fn render_job(shared: &Arc<Shared>, taken: &Taken) -> Result<Re
 /// The job's first sub-batch, reserved. With no room now but room on this card once its other
 /// renders end, the job is given back while it has deliveries to spare (another worker may have
 /// room now); after that it waits here for room, so that give-backs alone never use up its
-/// deliveries and send a healthy job to `SHOTS_FAILED` as `max_deliveries` (a busy small card
-/// did that to 5 of 200 jobs in the 2026-12-01 lease).
+/// deliveries and send a healthy job to `SHOTS_FAILED` as `max_deliveries`.
 async fn room_for(shared: &Shared, taken: &Taken, set_bytes: u64) -> Result<(u32, Reservation), JobError> {
     let (delivery, job) = (&taken.delivery, taken.job());
     let gives_up = Instant::now() + shared.config.job_time_limit;
