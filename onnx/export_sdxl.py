@@ -16,8 +16,11 @@ Precision:
                         optimizer (fused attention, GroupNorm, ...; see optimize_unet.py). The
                         result's fused ops are CUDA-only unless --optimize-cpu.
 
-The VAE decoder stays float32 when the VAE config has force_upcast (SDXL's VAE overflows in float16)
-unless --vae-fp16; the consumer reads each session's dtypes, so mixed folders are fine.
+The VAE decoder follows its config: float32 when it has force_upcast (SDXL's own VAE overflows in
+float16), float16 with the rest when it does not (the fp16-fix VAE). The consumer reads each
+session's dtypes, so mixed folders are fine, and refuses a float16 decoder whose config says
+force_upcast. With random weights, --fp16-fix-vae gives the VAE the fp16-fix VAE's config (same
+architecture, force_upcast false), as a folder built on that VAE would have.
 Models over ~2 GB are written with one external data file, model.onnx_data.
 
 Examples:
@@ -110,7 +113,8 @@ def main() -> None:
                     help="with --optimize: use_gpu=False, so the result runs on ORT's CPU provider (for tests)")
     ap.add_argument("--optimizer-pythonpath", default=None,
                     help="prepended to PYTHONPATH for the optimizer process (put numpy 2.2.6 first)")
-    ap.add_argument("--vae-fp16", action="store_true", help="float16 VAE decoder even if its config has force_upcast")
+    ap.add_argument("--fp16-fix-vae", action="store_true",
+                    help="with --random-weights/--tiny-config: the VAE config of the fp16-fix VAE (force_upcast false)")
     ap.add_argument("--device", default=None, help="torch device for building/exporting (default: cuda if available)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--parts", default=",".join(PARTS), help="comma list of parts to export")
@@ -135,13 +139,17 @@ def main() -> None:
         copy_tokenizers(args.diffusers_dir, out)
     else:
         configs = sx.SDXL_TINY if args.tiny_config else sx.SDXL_BASE
+        if args.fp16_fix_vae:
+            configs = {**configs, "vae": {**configs["vae"], "force_upcast": False}}
         models = sx.build_random_models(configs, args.seed, device=device)
         sched, force_zeros = sx.SDXL_SCHEDULER, True
         sx.write_tokenizers(out)
     params = {k: sum(p.numel() for p in m.parameters()) for k, m in models.items()}
     log(f"parameters: {params}")
     sx.write_configs(out, models, sched, force_zeros)
-    vae_fp32 = models["vae"].config.force_upcast and not args.vae_fp16
+    if args.fp16_fix_vae and args.diffusers_dir:
+        ap.error("--fp16-fix-vae is for random weights: a diffusers folder's VAE config says it itself")
+    vae_fp32 = models["vae"].config.force_upcast
 
     if not fp16:
         for part in parts:

@@ -16,6 +16,9 @@ input/output handling. (Putting every op in convert_float_to_float16's op_block_
 give float16 edges, but it wraps every node in a Cast pair, rounding each intermediate tensor to
 float16; edge-only casts keep the float32 numerics.)
 
+A VAE whose config has `force_upcast` (SDXL's own, and the tiny fixture's) stays float32, as
+export_sdxl.py leaves it and as the consumer insists.
+
 Everything that is not a model.onnx (configs, tokenizers, scheduler, model_index.json) is copied,
 except LoRA maps (`lora_map.json`): their offsets and dtypes are the source's, so a converted
 folder takes LoRAs only after `lora_ready.py` has run on it.
@@ -25,6 +28,7 @@ Models whose weights exceed ~2 GB are written with one external data file, model
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 from pathlib import Path
 
@@ -102,6 +106,11 @@ def save(model: onnx.ModelProto, path: Path) -> None:
         onnx.save_model(model, str(path))
 
 
+def needs_float32(vae_config: Path) -> bool:
+    """diffusers' `force_upcast` (true when absent): the VAE overflows in float16 (SDXL's own does)."""
+    return bool(json.loads(vae_config.read_text()).get("force_upcast", True)) if vae_config.exists() else True
+
+
 def convert_folder(src: Path, dst: Path, cpu_compatible: bool) -> None:
     if src.resolve() == dst.resolve():
         raise SystemExit("OUT_DIR must differ from IN_DIR")
@@ -118,6 +127,10 @@ def convert_folder(src: Path, dst: Path, cpu_compatible: bool) -> None:
     for part in PARTS:
         model_path = src / part / "model.onnx"
         if not model_path.exists():
+            continue
+        if part.startswith("vae_") and needs_float32(src / part / "config.json"):
+            print(f"{part}: stays float32 (its config has force_upcast)", flush=True)
+            save(onnx.load(str(model_path)), dst / part / "model.onnx")
             continue
         print(f"{part}: converting ({'float16 edges only' if cpu_compatible else 'float16'})", flush=True)
         model = fp16_edges(onnx.load(str(model_path))) if cpu_compatible else fp16_full(model_path)

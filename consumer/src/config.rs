@@ -61,6 +61,38 @@ pub enum DeviceKind {
     Cuda,
 }
 
+/// Where the text encoders run (`text_encoders`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum TextEncoderPlace {
+    /// On the CPU when the worker's room on its card (`[budget]`'s arena limit: the card or its
+    /// `max_mib` share, less the water line and reserve) is under [`TextEncoderPlace::AUTO_CPU_BELOW_MIB`],
+    /// else with the other graphs.
+    #[default]
+    Auto,
+    /// With the other graphs (`device`).
+    Device,
+    /// On the CPU always.
+    Cpu,
+}
+
+impl TextEncoderPlace {
+    /// Room under which `auto` moves the text encoders off the card. SDXL's graphs hold 8.6 GiB
+    /// of an H200 before any render, 1.6 of it the encoders' weights (deploy/gpu/RESULTS.md,
+    /// 2026-12-01): below 16 GiB those are worth more to the renders than to the encode, which
+    /// runs once per prompt.
+    pub const AUTO_CPU_BELOW_MIB: u64 = 16 * 1024;
+
+    /// Whether the encoders go to the CPU on a card with `room` bytes for the worker.
+    pub fn on_cpu(self, device: DeviceKind, room: u64) -> bool {
+        match (self, device) {
+            (_, DeviceKind::Cpu) | (TextEncoderPlace::Device, _) => false,
+            (TextEncoderPlace::Cpu, DeviceKind::Cuda) => true,
+            (TextEncoderPlace::Auto, DeviceKind::Cuda) => room < Self::AUTO_CPU_BELOW_MIB * 1024 * 1024,
+        }
+    }
+}
+
 /// How long lower priorities may wait while higher ones keep arriving.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -179,6 +211,9 @@ pub struct WorkerConfig {
     pub idle_poll: Duration,
     /// Threads per graph on the CPU.
     pub intra_threads: Option<usize>,
+    /// Where the two text encoders run on a GPU worker: `"auto"` (on the CPU below 16 GiB of
+    /// room), `"device"` or `"cpu"`.
+    pub text_encoders: TextEncoderPlace,
     /// Caps ONNX Runtime's CPU arena (MiB), so a CPU worker runs out of memory for real where a
     /// small card would: for tests and rehearsals of the degrade ladder. Unset: uncapped.
     pub cpu_arena_max_mib: Option<u64>,
@@ -226,6 +261,7 @@ impl Default for WorkerConfig {
             progress_interval: None,
             idle_poll: Duration::from_millis(100),
             intra_threads: None,
+            text_encoders: TextEncoderPlace::Auto,
             cpu_arena_max_mib: None,
             cuda: CudaConfig::default(),
             degrade: DegradeConfig::default(),
@@ -456,4 +492,24 @@ impl WorkerConfig {
 
 fn hostname() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname").map(|h| h.trim().to_owned()).unwrap_or_else(|_| "worker".into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn text_encoders_leave_only_small_cards_unless_told() {
+        const GIB: u64 = 1024 * 1024 * 1024;
+        let auto = TextEncoderPlace::Auto;
+        // A 12 GiB card leaves 10.3 GiB of room (0.9 of it, less the reserve); 24 GiB, 21.1.
+        assert!(auto.on_cpu(DeviceKind::Cuda, 10 * GIB));
+        assert!(!auto.on_cpu(DeviceKind::Cuda, 21 * GIB));
+        assert!(!auto.on_cpu(DeviceKind::Cpu, GIB), "on a CPU worker everything is on the CPU already");
+        assert!(TextEncoderPlace::Cpu.on_cpu(DeviceKind::Cuda, 100 * GIB));
+        assert!(!TextEncoderPlace::Device.on_cpu(DeviceKind::Cuda, GIB));
+        let parsed: WorkerConfig = toml::from_str("text_encoders = \"cpu\"").unwrap();
+        assert_eq!(parsed.text_encoders, TextEncoderPlace::Cpu);
+        assert!(toml::from_str::<WorkerConfig>("text_encoders = \"gpu\"").is_err());
+    }
 }

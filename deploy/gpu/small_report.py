@@ -32,17 +32,19 @@ def _ended(ended: dict | None) -> str:
 
 def cards_md(cards: list[dict]) -> list[str]:
     out = ["### Small cards: one worker on a share of the H200 (`[budget] max_mib`), the mixed storyboard", "",
-           "| share | started | serves | not served (why) | probes (peak MiB) | jobs of served classes | ended | "
+           "| share | started | models resident (text encoders, VAE decoder) | serves | not served (why) | probes (peak MiB) | jobs of served classes | ended | "
            "left for a roomier card | images/s | admission OOMs | crashed |",
-           "| --- | --- | --- | --- | --- | ---: | --- | --- | ---: | ---: | --- |"]
+           "| --- | --- | --- | --- | --- | --- | ---: | --- | --- | ---: | ---: | --- |"]
     for c in cards:
         if c.get("status") == "skipped":
-            out.append(f"| {c.get('max_mib')} MiB | skipped: {c.get('note')} | | | | | | | | | |")
+            out.append(f"| {c.get('max_mib')} MiB | skipped: {c.get('note')} | | | | | | | | | | |")
             continue
         started = "yes" if c.get("started") else ("**no: exit 78, holds nothing**" if c.get("holds_nothing") else f"no: {str(c.get('error'))[:120]}")
         not_served = "; ".join(f"{k} {v['reason']}" for k, v in (c.get("classes") or {}).items() if v.get("reason") != "fits")
+        models = (f"{_num(c.get('resident_mib'), 'd')} MiB ({'CPU' if c.get('text_encoders_on_cpu') else 'card'}, "
+                  f"{c.get('vae_decoder') or '?'})")
         out.append(
-            f"| {c.get('max_mib')} MiB | {started} | {','.join(c.get('served') or []) or '-'} | {not_served or '-'} "
+            f"| {c.get('max_mib')} MiB | {started} | {models} | {','.join(c.get('served') or []) or '-'} | {not_served or '-'} "
             f"| {_probes(c.get('probes') or [])} | {c.get('jobs_served_classes', '-')} | {_ended(c.get('ended'))} "
             f"| {json.dumps(c.get('left_for_a_roomier_worker') or {})} | {_num(c.get('images_per_s'), '.3f')} "
             f"| {_num(c.get('admission_ooms'), 'd')} | {'**yes**' if c.get('crashed') else 'no'} |")

@@ -92,7 +92,9 @@ def card(run: dict) -> dict:
     exit_code = meta.get("worker_exit")
     out["holds_nothing"] = exit_code == "78"
     out["started"] = meta.get("worker_ready") is not None
-    out["resident_mib"] = (run.get("startup") or {}).get("resident_mib")
+    startup = run.get("startup") or {}
+    for key in ("resident_mib", "text_encoders_on_cpu", "vae_decoder"):
+        out[key] = startup.get(key)
     out["probes"] = probes(log)
     out["classes"] = classes(log)
     out["served"] = [c for c in (meta.get("served") or "").split(",") if c]
@@ -105,7 +107,7 @@ def card(run: dict) -> dict:
     out.update(
         jobs_served_classes=m.get("jobs", 0), tally=m.get("tally"), ended=rungs([log], tally_jobs),
         images=m.get("images"), images_per_s=m.get("images_per_s"), images_per_s_steady=m.get("images_per_s_steady"),
-        wall_s=m.get("wall_s"), left_for_a_roomier_worker=dict(collections.Counter(memory_class(j["width"], j["height"]) for j in rest.values())),
+        wall_s=m.get("wall_s"), stage_ms_median=m.get("stage_ms_median"), left_for_a_roomier_worker=dict(collections.Counter(memory_class(j["width"], j["height"]) for j in rest.values())),
         admission_ooms=run["log_counts"]["oom"] if out["started"] else None, no_room=run["log_counts"]["no_room"],
         peak_vram_gib=run.get("peak_vram_gib"), worker_exit=exit_code,
         # Stopped by fleet.sh (0) or never ready (78 is a refusal, not a crash); anything else is one.

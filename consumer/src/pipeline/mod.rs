@@ -160,9 +160,21 @@ pub struct PipelineOptions {
     /// (about 60 ms per 1024x1024 image on an H200), but the decoder's peak then grows over
     /// repeated decodes by what fragmentation adds, which the budget's probes do not see.
     pub vae_keeps_arena: bool,
+    /// Run both text encoders on the CPU whatever `device` is. They run once per prompt, at one
+    /// shape, so moving them costs a fraction of a second a job (BENCHMARKS.md) and gives a card
+    /// their weights back (1.6 GB for SDXL in float16): what lets a 12 GiB card serve at all.
+    pub text_encoders_on_cpu: bool,
 }
 
 impl PipelineOptions {
+    /// The options the text encoders load with: these, or on the CPU.
+    fn for_text_encoders(&self) -> PipelineOptions {
+        match self.text_encoders_on_cpu {
+            true => PipelineOptions { device: Device::Cpu, ..self.clone() },
+            false => self.clone(),
+        }
+    }
+
     /// Whether the UNet's session captures CUDA graphs (`[cuda.unet] graph`).
     fn captures_graphs(&self) -> bool {
         matches!(self.device, Device::Cuda { cuda, .. } if cuda.unet.graph)
@@ -270,18 +282,29 @@ pub struct StepProgress {
     pub images_done: u32,
 }
 
-/// Element type of the model's UNet.
+/// Element type of a graph's float inputs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ModelDtype {
     F32,
     F16,
 }
 
+impl ModelDtype {
+    fn of(elem: Elem) -> ModelDtype {
+        if elem == Elem::F16 { ModelDtype::F16 } else { ModelDtype::F32 }
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct ModelInfo {
     /// The folder's name.
     pub name: String,
+    /// The UNet's element type.
     pub dtype: ModelDtype,
+    /// The VAE decoder's: float16 only where the folder's VAE config allows it (vae.rs).
+    pub vae_dtype: ModelDtype,
+    /// Whether the text encoders run on the CPU ([`PipelineOptions::text_encoders_on_cpu`]).
+    pub text_encoders_on_cpu: bool,
     pub latent_channels: usize,
     /// Pixels per latent element along a side (8 for SDXL); sizes must be multiples of it.
     pub vae_scale_factor: u32,
@@ -347,7 +370,7 @@ impl Pipeline {
             session::cap_cpu_arena(&env, max_mem)?;
         }
         let lora_maps = lora::WeightMaps::load(model_dir)?;
-        let text = TextEncoders::load(&env, &config, options)?;
+        let text = TextEncoders::load(&env, &config, &options.for_text_encoders())?;
         let unet = Unet::load(&env, &config, options)?;
         let vae = VaeDecoder::load(&env, &config, options)?;
 
@@ -372,7 +395,9 @@ impl Pipeline {
         };
         let info = ModelInfo {
             name: config.name.clone(),
-            dtype: if unet_sample_elem(&unet) == Elem::F16 { ModelDtype::F16 } else { ModelDtype::F32 },
+            dtype: ModelDtype::of(unet.sample_elem()),
+            vae_dtype: ModelDtype::of(vae.elem()),
+            text_encoders_on_cpu: options.text_encoders_on_cpu,
             latent_channels,
             vae_scale_factor: config.vae_scale_factor,
             ort_version,
@@ -450,20 +475,19 @@ impl Pipeline {
     /// [`PipelineOptions::cpu_arena_max_mem`].
     pub fn cpu_arena_stats(&self) -> Option<ArenaStats> {
         self.options.cpu_arena_max_mem?;
-        self.unet.session().arena_stats(&Device::Cpu)
+        self.unet.session().arena_stats_on(&Device::Cpu)
     }
 
-    /// Each graph's arena counters on the pipeline's device, by graph: what `--check-budget`
+    /// Each graph's arena counters on its device, by graph: what `--check-budget`
     /// prints beside a render's peak, so a peak above the estimate can be traced to a graph (or
     /// to memory outside every arena). On the CPU with a capped arena all graphs share one.
     pub fn arena_stats(&self) -> Vec<(&'static str, Option<ArenaStats>)> {
         let [first, second] = self.text.sessions();
-        let device = &self.options.device;
         vec![
-            ("text_encoder", first.arena_stats(device)),
-            ("text_encoder_2", second.arena_stats(device)),
-            ("unet", self.unet.session().arena_stats(device)),
-            ("vae_decoder", self.vae.session().arena_stats(device)),
+            ("text_encoder", first.arena_stats()),
+            ("text_encoder_2", second.arena_stats()),
+            ("unet", self.unet.session().arena_stats()),
+            ("vae_decoder", self.vae.session().arena_stats()),
         ]
     }
 
@@ -761,6 +785,3 @@ impl Pipeline {
     }
 }
 
-fn unet_sample_elem(unet: &Unet) -> Elem {
-    unet.sample_elem()
-}

@@ -47,6 +47,10 @@ struct VaeConfig {
     latent_channels: Option<usize>,
     #[serde(default)]
     latents_mean: Option<serde_json::Value>,
+    /// diffusers decodes in float32 whatever the pipeline's dtype when this is set (its default):
+    /// SDXL's own VAE overflows in float16. Fixed VAEs (the fp16-fix VAE) say `false`.
+    #[serde(default = "yes")]
+    force_upcast: bool,
 }
 
 /// diffusers' `AutoencoderKL` default; SDXL's config says 0.13025.
@@ -69,6 +73,8 @@ pub(crate) struct FolderConfig {
     /// Pixels per latent element along each side: 2^(VAE blocks - 1).
     pub vae_scale_factor: u32,
     pub vae_latent_channels: Option<usize>,
+    /// The VAE needs float32 (`force_upcast`): a float16 decoder of it is refused at load.
+    pub vae_force_upcast: bool,
     pub text_encoder_vocab: usize,
     pub text_encoder_2_vocab: usize,
 }
@@ -125,6 +131,7 @@ impl FolderConfig {
             vae_scaling_factor: vae.scaling_factor,
             vae_scale_factor: 1 << (vae.block_out_channels.len() - 1),
             vae_latent_channels: vae.latent_channels,
+            vae_force_upcast: vae.force_upcast,
             text_encoder_vocab: te1.vocab_size,
             text_encoder_2_vocab: te2.vocab_size,
         })

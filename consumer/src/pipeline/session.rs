@@ -222,6 +222,9 @@ impl Port {
 pub(crate) struct ModelSession {
     pub path: PathBuf,
     session: Mutex<Session>,
+    /// Where this graph runs: the pipeline's device, or the CPU for text encoders moved off a
+    /// small card ([`PipelineOptions::text_encoders_on_cpu`]).
+    pub device: Device,
     pub inputs: Vec<Port>,
     pub outputs: Vec<Port>,
 }
@@ -290,11 +293,16 @@ impl ModelSession {
         };
         let inputs = ports(session.inputs())?;
         let outputs = ports(session.outputs())?;
-        Ok(ModelSession { path: path.to_path_buf(), session: Mutex::new(session), inputs, outputs })
+        Ok(ModelSession { path: path.to_path_buf(), session: Mutex::new(session), device: options.device.clone(), inputs, outputs })
+    }
+
+    /// The counters of the arena this session allocates from on its device.
+    pub(crate) fn arena_stats(&self) -> Option<ArenaStats> {
+        self.arena_stats_on(&self.device)
     }
 
     /// The counters of the arena this session allocates from on `device`.
-    pub(crate) fn arena_stats(&self, device: &Device) -> Option<ArenaStats> {
+    pub(crate) fn arena_stats_on(&self, device: &Device) -> Option<ArenaStats> {
         arena_stats(&self.lock(), device)
     }
 

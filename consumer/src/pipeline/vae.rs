@@ -26,7 +26,7 @@ use ort::memory::{AllocationDevice, AllocatorType, MemoryInfo, MemoryType};
 
 use super::error::{LoadError, RenderError, Stage};
 use super::model::{FolderConfig, VAE_DECODER};
-use super::session::{ModelSession, Port, extract_f32, float_tensor};
+use super::session::{Elem, ModelSession, Port, extract_f32, float_tensor};
 use super::control::Runs;
 use super::{PipelineOptions, VaeDecode};
 
@@ -53,9 +53,24 @@ impl VaeDecoder {
         &self.session
     }
 
+    /// The decoder's latent element type (float16 or float32).
+    pub(crate) fn elem(&self) -> Elem {
+        self.input.elem
+    }
+
     pub(crate) fn load(env: &Environment, config: &FolderConfig, options: &PipelineOptions) -> Result<VaeDecoder, LoadError> {
         let session = ModelSession::load_vae(env, &config.dir.join(VAE_DECODER), options)?;
         let input = session.require_input("latent_sample", Some(4), true)?.clone();
+        // The decoder's dtype is the model folder's choice, made by its VAE config; one that
+        // would run SDXL's own VAE in float16 renders black or NaN images, so it never loads.
+        if input.elem == Elem::F16 && config.vae_force_upcast {
+            return Err(LoadError::Invalid {
+                path: config.dir.join(VAE_DECODER),
+                detail: "is float16 but vae_decoder/config.json has force_upcast: true (this VAE overflows in float16); \
+                         export the decoder in float32, or use a float16-safe VAE such as the fp16-fix one (force_upcast: false)"
+                    .into(),
+            });
+        }
         let output = session
             .outputs
             .first()
@@ -127,6 +142,14 @@ impl VaeDecoder {
         let (shape, chw) = extract_f32(&outputs[0]).map_err(|detail| RenderError::Output { stage: Stage::Vae, detail })?;
         if shape.len() != 4 || shape[0] != 1 || shape[1] != 3 {
             return Err(RenderError::Output { stage: Stage::Vae, detail: format!("{} has shape {shape:?}, expected [1, 3, H, W]", self.output) });
+        }
+        // A NaN would become a black pixel without a word: say so instead (a float16 decoder
+        // overflowing, or latents already broken).
+        if let Some(bad) = chw.iter().position(|v| !v.is_finite()) {
+            return Err(RenderError::Output {
+                stage: Stage::Vae,
+                detail: format!("{} holds {} at element {bad} of {}: the decoder overflowed (a float16 VAE that is not float16-safe?)", self.output, chw[bad], chw.len()),
+            });
         }
         Ok(Decoded { chw, height: shape[2], width: shape[3] })
     }

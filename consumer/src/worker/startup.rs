@@ -45,11 +45,25 @@ pub async fn prepare(config: &WorkerConfig) -> Result<Ready, WorkerError> {
     let after = probe.snapshot().map_err(|e| WorkerError::start("read the GPU", e))?;
     let resident = after.resident_since(&before);
     let meter = Arc::new(PeakMeter::new(probe.clone()).map_err(|e| WorkerError::start("measure the baseline", e))?);
-    info!(model = %pipeline.info().name, device = %after.device, resident_mib = resident / budget::MIB, load_s = started.elapsed().as_secs_f64(), "models loaded");
+    let loaded = pipeline.info();
+    info!(
+        model = %loaded.name,
+        device = %after.device,
+        resident_mib = resident / budget::MIB,
+        unet = ?loaded.dtype,
+        vae_decoder = ?loaded.vae_dtype,
+        text_encoders_on_cpu = loaded.text_encoders_on_cpu,
+        load_s = started.elapsed().as_secs_f64(),
+        "models loaded"
+    );
 
+    // A render's peak on the card differs with the text encoders off it: their own key.
     let key = FingerprintKey {
         device: after.device.clone(),
-        model: pipeline.info().name.clone(),
+        model: match loaded.text_encoders_on_cpu {
+            true => format!("{} (text encoders on the CPU)", loaded.name),
+            false => loaded.name.clone(),
+        },
         runtime: pipeline.info().ort_version.clone(),
     };
     let fingerprints = FingerprintStore::new(&config.state_dir);
@@ -128,13 +142,19 @@ fn log_budget(budget: &Budget, classes: &[shotfleet_schema::MemoryClass]) {
 /// The pipeline's options: on a GPU, ONNX Runtime's arena is capped at what the budget could
 /// ever plan with, so the arena and the budget agree on the card's size
 /// ([`BudgetConfig::arena_limit`](budget::BudgetConfig::arena_limit)); on the CPU, so is the
-/// capped arena under `[budget] max_mib`, as it would be on a card of that size.
+/// capped arena under `[budget] max_mib`, as it would be on a card of that size. The text
+/// encoders go where `text_encoders` says, judged on the same room.
 fn pipeline_options(config: &WorkerConfig, before: &GpuSnapshot) -> PipelineOptions {
-    let share_limit = config.budget.max_mib.map(|_| config.budget.arena_limit(before.clone()));
+    let room = config.budget.arena_limit(before.clone());
+    let share_limit = config.budget.max_mib.map(|_| room);
+    let text_encoders_on_cpu = config.text_encoders.on_cpu(config.device, room);
+    if text_encoders_on_cpu {
+        info!(room_mib = room / budget::MIB, setting = ?config.text_encoders, "the text encoders run on the CPU");
+    }
     let device = match config.device {
         DeviceKind::Cpu => Device::Cpu,
         DeviceKind::Cuda => {
-            let mut limit = config.budget.arena_limit(before.clone());
+            let mut limit = room;
             if let Some(mib) = config.faults.arena_limit_mib {
                 tracing::warn!(arena_limit_mib = mib, budget_cap_mib = limit / budget::MIB, "fault injection: the CUDA arena is capped below what the budget plans with");
                 limit = limit.min(mib * budget::MIB);
@@ -147,6 +167,7 @@ fn pipeline_options(config: &WorkerConfig, before: &GpuSnapshot) -> PipelineOpti
         intra_threads: config.intra_threads,
         cpu_arena_max_mem: [config.cpu_arena_max_mib.map(|mib| mib * budget::MIB), share_limit].into_iter().flatten().min(),
         vae_keeps_arena: config.budget.vae_keeps_arena,
+        text_encoders_on_cpu,
         ..PipelineOptions::default()
     }
 }

@@ -67,7 +67,8 @@ impl fmt::Debug for MergedSet {
 }
 
 impl ResidentSet {
-    /// Exact device bytes: the sum of the merged tensors.
+    /// Exact bytes of the merged tensors (on the device, but for parts whose graphs run on the
+    /// CPU: see [`ResidentSet::place`]).
     pub fn bytes(&self) -> u64 {
         self.bytes
     }
@@ -77,13 +78,9 @@ impl ResidentSet {
         self.parts.iter().find(|(p, _)| *p == part).map_or(&[], |(_, o)| o.as_slice())
     }
 
-    /// Places `set` on `device`, through the sessions `session_of` gives for each part.
-    pub(crate) fn place<'s>(
-        set: &MergedSet,
-        device: &Device,
-        pipeline: u64,
-        session_of: impl Fn(Part) -> &'s ModelSession,
-    ) -> Result<ResidentSet, LoraError> {
+    /// Places `set` where each part's session (`session_of`) runs: allocated through that
+    /// session on a GPU, host tensors on the CPU.
+    pub(crate) fn place<'s>(set: &MergedSet, pipeline: u64, session_of: impl Fn(Part) -> &'s ModelSession) -> Result<ResidentSet, LoraError> {
         let err = |source: ort::Error| LoraError::Device { source };
         let mut parts: Vec<(Part, Vec<(String, DynTensor)>)> = Vec::new();
         let mut allocators = Vec::new();
@@ -92,11 +89,12 @@ impl ResidentSet {
             if overrides.is_empty() {
                 continue;
             }
-            let placed = match device {
+            let session = session_of(part);
+            let placed = match &session.device {
                 Device::Cpu => overrides.iter().map(|o| Ok((o.name.clone(), host_tensor(o)?))).collect::<ort::Result<Vec<_>>>().map_err(err)?,
                 Device::Cuda { gpu, .. } => {
                     let info = MemoryInfo::new(AllocationDevice::CUDA, *gpu as i32, AllocatorType::Device, MemoryType::Default).map_err(err)?;
-                    let allocator = Allocator::new(&session_of(part).lock(), info).map_err(err)?;
+                    let allocator = Allocator::new(&session.lock(), info).map_err(err)?;
                     let placed = overrides.iter().map(|o| Ok((o.name.clone(), device_tensor(o, &allocator)?))).collect::<ort::Result<Vec<_>>>().map_err(err)?;
                     allocators.push(allocator);
                     placed
@@ -104,6 +102,9 @@ impl ResidentSet {
             };
             parts.push((part, placed));
         }
+        // All parts count, those of text encoders on the CPU too: the budget reserves a set's
+        // bytes before it is merged, from the LoRA files alone, and over-counting by the text
+        // encoders' share is the safe side of that line.
         Ok(ResidentSet { pipeline, parts, bytes: set.bytes(), _allocators: Mutex::new(allocators) })
     }
 }

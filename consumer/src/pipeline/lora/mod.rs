@@ -79,7 +79,7 @@ impl Pipeline {
     /// # Errors
     /// [`LoraError::Device`] when ONNX Runtime cannot allocate or copy it.
     pub fn place_loras(&self, set: &MergedSet) -> Result<ResidentSet, LoraError> {
-        ResidentSet::place(set, &self.info.device, self.instance, |part| match part {
+        ResidentSet::place(set, self.instance, |part| match part {
             Part::Unet => self.unet.session(),
             Part::TextEncoder => self.text.sessions()[0],
             Part::TextEncoder2 => self.text.sessions()[1],
