@@ -111,7 +111,11 @@ def needs_float32(vae_config: Path) -> bool:
     return bool(json.loads(vae_config.read_text()).get("force_upcast", True)) if vae_config.exists() else True
 
 
-def convert_folder(src: Path, dst: Path, cpu_compatible: bool) -> None:
+def copy_beside_models(src: Path, dst: Path) -> None:
+    """Everything of the folder but its graphs, their weights and LoRA maps, from src into dst.
+
+    A LoRA map names offsets in the source's data file: rerun lora_ready.py on the result.
+    """
     if src.resolve() == dst.resolve():
         raise SystemExit("OUT_DIR must differ from IN_DIR")
     dst.mkdir(parents=True, exist_ok=True)
@@ -120,10 +124,13 @@ def convert_folder(src: Path, dst: Path, cpu_compatible: bool) -> None:
         if item.is_dir():
             (dst / rel).mkdir(parents=True, exist_ok=True)
             continue
-        # A LoRA map names offsets in the source's data file: rerun lora_ready.py on the result.
         if item.name.endswith(".onnx_data") or item.name.endswith(".onnx") or item.name == "lora_map.json":
             continue
         shutil.copy2(item, dst / rel)
+
+
+def convert_folder(src: Path, dst: Path, cpu_compatible: bool) -> None:
+    copy_beside_models(src, dst)
     for part in PARTS:
         model_path = src / part / "model.onnx"
         if not model_path.exists():

@@ -8,7 +8,8 @@
 #              MIX_STEPS 2): the jobs of the classes the worker serves (its /readyz) are submitted
 #              with --wait; the others are submitted too and left waiting for a roomier worker, as
 #              in a fleet (counted, not awaited). A worker that holds nothing exits 78 at start:
-#              recorded with its reason. FLEET_RUNS `cards` names them all.
+#              recorded with its reason. FLEET_RUNS `cards` names them all. SMALL_TAG (e.g. q4, with
+#              FLEET_MODEL=/root/sdxl-q4) names the runs card-N-TAG, beside the float model's.
 #   pair       two workers on one card and one NATS server: max_mib PAIR_SMALL_MIB (12288) and
 #              the rest of the card (less PAIR_SLACK_MIB, 1024), both the card runs' worker; the
 #              same 200 mixed jobs, awaited. If the small one holds nothing (exit 78), it starts
@@ -74,11 +75,12 @@ kept_for_later() {
 }
 
 small_card() {  # MIB
-    local mib=$1 name=card-$1 classes timeout
+    local mib=$1 name=card-$1${SMALL_TAG:+-$SMALL_TAG} classes timeout
     wanted cards || wanted "$name" || return 0
     if [ "$(left)" -lt $((RUN_MIN_S + 30)) ]; then run_skip "$name" "a $mib MiB share" "$(left) s left"; return 0; fi
     if run_begin "$name" "a $mib MiB share of the card"; then
         meta max_mib "$mib"
+        meta model "$MODEL"
         meta top "concurrency = 2"
         meta cuda "$(tr '\n' ';' <<< "$TUNED"$'\n'"$WS_CAPPED")"
         small_config "$WORK/$name.toml" "concurrency = 2" "max_mib = $mib"

@@ -121,7 +121,8 @@ class WorkerLog:
             f = x["fields"]
             if x["message"] == "models loaded":
                 out.update(load_s=r(f.get("load_s"), 2), resident_mib=f.get("resident_mib"),
-                           text_encoders_on_cpu=f.get("text_encoders_on_cpu"), vae_decoder=f.get("vae_decoder"))
+                           text_encoders_on_cpu=f.get("text_encoders_on_cpu"), vae_decoder=f.get("vae_decoder"),
+                           unet_weights=f.get("unet_weights"))
             elif x["message"] == "worker ready":
                 out.setdefault("worker_warmup_s", r(f.get("warmup_s"), 2))
             elif x["message"] == "budget":

@@ -18,6 +18,9 @@
 #   diffusers-eager     the same, eager cells only -> diffusers-eager.json (report.py prefers its eager
 #                   cells: run it when nothing else runs, i.e. after optimize-wait)
 #   optimize-wait   waits for the background jobs of optimize-start
+#   quantize        optimize-wait, then onnx/quantize_unet.py: /root/sdxl with its UNet's linear weights
+#                   packed into QUANT_BITS bits (default "4"; "4 8" makes both) -> /root/sdxl-qN,
+#                   quantize-qN.json (the record: MatMuls packed, weight bytes before and after, seconds)
 #   unet            optimize-wait, then onnx/bench_unet.py -> unet.json
 #   fleet-speed     optimize-wait, then `deploy/gpu/fleet.sh speed` (binaries from .gpu/bin) -> fleet-speed.json
 #   fleet-budget    optimize-wait, then `deploy/gpu/fleet.sh budget` -> budget.json, budget-check.jsonl, budget-check-ws.jsonl
@@ -196,6 +199,25 @@ stage_export() {
     done
 }
 
+stage_quantize() {
+    local bits rc=0
+    stage_optimize_wait || return
+    ort_env
+    for bits in ${QUANT_BITS:-4}; do
+        log "packing $SDXL's UNet into $bits bits -> $ROOT/sdxl-q$bits"
+        rm -rf "$ROOT/sdxl-q$bits"
+        if python3 onnx/quantize_unet.py "$SDXL" "$ROOT/sdxl-q$bits" --bits "$bits" > "$RESULTS/quantize-q$bits.log" 2>&1; then
+            cp "$ROOT/sdxl-q$bits/unet/quantization.json" "$RESULTS/quantize-q$bits.json"
+            to_out "$RESULTS/quantize-q$bits.json"
+        else
+            rc=6
+        fi
+        tail -n 4 "$RESULTS/quantize-q$bits.log"
+        du -sh "$ROOT/sdxl-q$bits/unet" 2> /dev/null
+    done
+    return "$rc"
+}
+
 stage_optimize_start() {
     [ -f "$SDXL32/unet/model.onnx" ] || { echo "no fp32 UNet in $SDXL32: run export first" >&2; return 3; }
     if [ ! -f "$NP/numpy/__init__.py" ]; then
@@ -365,6 +387,7 @@ run_stage() {
         export) stage_export || rc=$? ;;
         optimize-start) stage_optimize_start || rc=$? ;;
         optimize-wait) stage_optimize_wait || rc=$? ;;
+        quantize) stage_quantize || rc=$? ;;
         diffusers) stage_diffusers diffusers "${DIFFUSERS_BUDGET_S:-480}" || rc=$? ;;
         diffusers-compiled) stage_diffusers diffusers "${DIFFUSERS_BUDGET_S:-480}" --compiled-only || rc=$? ;;
         diffusers-eager) stage_diffusers diffusers-eager "${DIFFUSERS_EAGER_BUDGET_S:-150}" --eager-only || rc=$? ;;

@@ -32,7 +32,7 @@ def _ended(ended: dict | None) -> str:
 
 def cards_md(cards: list[dict]) -> list[str]:
     out = ["### Small cards: one worker on a share of the H200 (`[budget] max_mib`), the mixed storyboard", "",
-           "| share | started | models resident (text encoders, VAE decoder) | serves | not served (why) | probes (peak MiB) | jobs of served classes | ended | "
+           "| share | started | models resident (text encoders, VAE decoder, UNet weights) | serves | not served (why) | probes (peak MiB) | jobs of served classes | ended | "
            "left for a roomier card | images/s | admission OOMs | crashed |",
            "| --- | --- | --- | --- | --- | --- | ---: | --- | --- | ---: | ---: | --- |"]
     for c in cards:
@@ -42,7 +42,7 @@ def cards_md(cards: list[dict]) -> list[str]:
         started = "yes" if c.get("started") else ("**no: exit 78, holds nothing**" if c.get("holds_nothing") else f"no: {str(c.get('error'))[:120]}")
         not_served = "; ".join(f"{k} {v['reason']}" for k, v in (c.get("classes") or {}).items() if v.get("reason") != "fits")
         models = (f"{_num(c.get('resident_mib'), 'd')} MiB ({'CPU' if c.get('text_encoders_on_cpu') else 'card'}, "
-                  f"{c.get('vae_decoder') or '?'})")
+                  f"{c.get('vae_decoder') or '?'}, {c.get('unet_weights') or '?'})")
         out.append(
             f"| {c.get('max_mib')} MiB | {started} | {models} | {','.join(c.get('served') or []) or '-'} | {not_served or '-'} "
             f"| {_probes(c.get('probes') or [])} | {c.get('jobs_served_classes', '-')} | {_ended(c.get('ended'))} "

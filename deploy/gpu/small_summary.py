@@ -93,7 +93,7 @@ def card(run: dict) -> dict:
     out["holds_nothing"] = exit_code == "78"
     out["started"] = meta.get("worker_ready") is not None
     startup = run.get("startup") or {}
-    for key in ("resident_mib", "text_encoders_on_cpu", "vae_decoder"):
+    for key in ("resident_mib", "text_encoders_on_cpu", "vae_decoder", "unet_weights"):
         out[key] = startup.get(key)
     out["probes"] = probes(log)
     out["classes"] = classes(log)

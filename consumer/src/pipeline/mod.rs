@@ -50,6 +50,7 @@ use std::time::{Duration, Instant};
 
 pub use control::CancelHandle;
 pub use error::{LoadError, RenderError, Stage};
+pub use model::PackedWeights;
 pub use session::ArenaStats;
 pub use text_encoder::PromptEmbeds;
 
@@ -305,6 +306,8 @@ pub struct ModelInfo {
     pub vae_dtype: ModelDtype,
     /// Whether the text encoders run on the CPU ([`PipelineOptions::text_encoders_on_cpu`]).
     pub text_encoders_on_cpu: bool,
+    /// The UNet's linear weights packed into a few bits (`onnx/quantize_unet.py`), if they are.
+    pub unet_packed: Option<PackedWeights>,
     pub latent_channels: usize,
     /// Pixels per latent element along a side (8 for SDXL); sizes must be multiples of it.
     pub vae_scale_factor: u32,
@@ -398,6 +401,7 @@ impl Pipeline {
             dtype: ModelDtype::of(unet.sample_elem()),
             vae_dtype: ModelDtype::of(vae.elem()),
             text_encoders_on_cpu: options.text_encoders_on_cpu,
+            unet_packed: config.unet_packed,
             latent_channels,
             vae_scale_factor: config.vae_scale_factor,
             ort_version,

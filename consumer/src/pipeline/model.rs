@@ -14,6 +14,7 @@ use super::scheduler::SchedulerConfig;
 pub(crate) const TEXT_ENCODER: &str = "text_encoder/model.onnx";
 pub(crate) const TEXT_ENCODER_2: &str = "text_encoder_2/model.onnx";
 pub(crate) const UNET: &str = "unet/model.onnx";
+pub(crate) const UNET_QUANTIZATION: &str = "unet/quantization.json";
 pub(crate) const VAE_DECODER: &str = "vae_decoder/model.onnx";
 pub(crate) const TOKENIZER: &str = "tokenizer";
 pub(crate) const TOKENIZER_2: &str = "tokenizer_2";
@@ -54,6 +55,28 @@ struct VaeConfig {
 }
 
 /// diffusers' `AutoencoderKL` default; SDXL's config says 0.13025.
+/// `unet/quantization.json` (written by `onnx/quantize_unet.py`): the UNet's linear weights are
+/// packed into a few bits (ONNX Runtime's MatMulNBits). Absent for a float UNet.
+#[derive(Debug, Deserialize)]
+struct QuantizationRecord {
+    format: String,
+    bits: u8,
+    block_size: u32,
+}
+
+/// How a quantized UNet's linear weights are stored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PackedWeights {
+    pub bits: u8,
+    pub block_size: u32,
+}
+
+impl std::fmt::Display for PackedWeights {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}-bit in blocks of {}", self.bits, self.block_size)
+    }
+}
+
 fn default_scaling_factor() -> f32 {
     0.18215
 }
@@ -77,6 +100,8 @@ pub(crate) struct FolderConfig {
     pub vae_force_upcast: bool,
     pub text_encoder_vocab: usize,
     pub text_encoder_2_vocab: usize,
+    /// The UNet's linear weights, where `unet/quantization.json` says they are packed.
+    pub unet_packed: Option<PackedWeights>,
 }
 
 impl FolderConfig {
@@ -118,6 +143,7 @@ impl FolderConfig {
         }
         let te1: TextEncoderConfig = read_json(&dir.join("text_encoder/config.json"))?;
         let te2: TextEncoderConfig = read_json(&dir.join("text_encoder_2/config.json"))?;
+        let unet_packed = read_quantization(&dir.join(UNET_QUANTIZATION))?;
         let name = dir
             .canonicalize()
             .ok()
@@ -134,8 +160,27 @@ impl FolderConfig {
             vae_force_upcast: vae.force_upcast,
             text_encoder_vocab: te1.vocab_size,
             text_encoder_2_vocab: te2.vocab_size,
+            unet_packed,
         })
     }
+}
+
+/// The UNet's packing record, checked; `None` when the folder has none (a float UNet).
+fn read_quantization(path: &Path) -> Result<Option<PackedWeights>, LoadError> {
+    if !path.exists() {
+        return Ok(None);
+    }
+    let record: QuantizationRecord = read_json(path)?;
+    if record.format != "MatMulNBits" || !matches!(record.bits, 4 | 8) || !record.block_size.is_power_of_two() || record.block_size < 16 {
+        return Err(LoadError::Invalid {
+            path: path.to_path_buf(),
+            detail: format!(
+                "format {:?}, {} bits, blocks of {}: expected MatMulNBits, 4 or 8 bits, blocks of 16 or more (a power of two); rerun onnx/quantize_unet.py",
+                record.format, record.bits, record.block_size
+            ),
+        });
+    }
+    Ok(Some(PackedWeights { bits: record.bits, block_size: record.block_size }))
 }
 
 fn require_file(path: &Path) -> Result<(), LoadError> {

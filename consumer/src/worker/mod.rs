@@ -80,7 +80,7 @@ pub enum WorkerError {
     #[error("the object store is unusable: {0}")]
     StoreUnusable(String),
     /// The card holds none of the classes the worker may serve (`EXIT_NOTHING_FITS`): it needs a larger
-    /// card or share, fewer other processes on it, or other classes.
+    /// card or share, fewer other processes on it, other classes, or smaller weights.
     #[error(
         "this card holds nothing this worker may serve; give it a larger card or `[budget] max_mib`, move other processes off the card, or change `classes`: {0}"
     )]
@@ -88,6 +88,17 @@ pub enum WorkerError {
 }
 
 impl WorkerError {
+    /// A card that holds nothing beside a float UNet may hold work beside a packed one: the
+    /// way out that needs no other card, named where it applies.
+    pub(crate) fn with_weights_hint(self, unet_packed: bool) -> Self {
+        match self {
+            Self::NothingFits(detail) if !unet_packed => Self::NothingFits(format!(
+                "{detail}; or serve the model with its UNet's weights packed into 4 bits (onnx/quantize_unet.py), which leaves the renders about 3 GB more of an SDXL card"
+            )),
+            other => other,
+        }
+    }
+
     /// The exit code for the supervisor.
     pub fn exit_code(&self) -> i32 {
         use crate::failure::{EXIT_DRIVER_FAULT, EXIT_NOTHING_FITS, EXIT_RESTART, EXIT_START, EXIT_STORE};
@@ -289,7 +300,9 @@ pub async fn run(
     health.set_not_ready("loading models and calibrating");
     let ready = startup::prepare(&config).await.inspect_err(|e| health.set_not_ready(e.to_string()))?;
     // Consumers were bound for every candidate class; from here on only those served are fetched.
-    let config = serving::serve(config, &ready.classes, &health).inspect_err(|e| health.set_not_ready(e.to_string()))?;
+    let config = serving::serve(config, &ready.classes, &health)
+        .map_err(|e| e.with_weights_hint(ready.pipeline.info().unet_packed.is_some()))
+        .inspect_err(|e| health.set_not_ready(e.to_string()))?;
     let unserved =
         unserved::Unserved::bind(&jobs_stream, &config.classes).await.map_err(|e| WorkerError::start("bind consumers", e))?;
     let device_name = ready.probe.snapshot().map(|s| s.device).unwrap_or_else(|_| "unknown".into());

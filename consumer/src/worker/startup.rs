@@ -51,19 +51,25 @@ pub async fn prepare(config: &WorkerConfig) -> Result<Ready, WorkerError> {
         device = %after.device,
         resident_mib = resident / budget::MIB,
         unet = ?loaded.dtype,
+        unet_weights = %loaded.unet_packed.map_or_else(|| "as the graph's type".to_string(), |p| p.to_string()),
         vae_decoder = ?loaded.vae_dtype,
         text_encoders_on_cpu = loaded.text_encoders_on_cpu,
         load_s = started.elapsed().as_secs_f64(),
         "models loaded"
     );
 
-    // A render's peak on the card differs with the text encoders off it: their own key.
+    // A render's peak on the card differs with the text encoders off it, and with the UNet's
+    // weights unpacked at each call: each its own key.
+    let mut model_key = loaded.name.clone();
+    if loaded.text_encoders_on_cpu {
+        model_key.push_str(" (text encoders on the CPU)");
+    }
+    if let Some(packed) = loaded.unet_packed {
+        model_key.push_str(&format!(" (UNet weights {packed})"));
+    }
     let key = FingerprintKey {
         device: after.device.clone(),
-        model: match loaded.text_encoders_on_cpu {
-            true => format!("{} (text encoders on the CPU)", loaded.name),
-            false => loaded.name.clone(),
-        },
+        model: model_key,
         runtime: pipeline.info().ort_version.clone(),
     };
     let fingerprints = FingerprintStore::new(&config.state_dir);
@@ -79,7 +85,9 @@ pub async fn prepare(config: &WorkerConfig) -> Result<Ready, WorkerError> {
             (estimate, Calibration::new(config.budget.safety))
         }
         None => {
-            let (estimate, calibration) = calibrate::calibrate(config, &pipeline, &meter, &probe, resident).await?;
+            let (estimate, calibration) = calibrate::calibrate(config, &pipeline, &meter, &probe, resident)
+                .await
+                .map_err(|e| e.with_weights_hint(loaded.unet_packed.is_some()))?;
             // Only a calibration of every probe is the card's own: one cut short by a crowded
             // card is tried in full at the next start.
             if !calibration.complete() {

@@ -50,6 +50,69 @@ pub fn cpu_options() -> PipelineOptions {
     PipelineOptions { intra_threads: Some(2), ..PipelineOptions::default() }
 }
 
+/// Runs `onnx/SCRIPT` with the test venv's Python (its onnx and onnxruntime) and `args`; fails
+/// the test with the script's stderr.
+pub fn onnx_script(script: &str, args: &[&std::ffi::OsStr]) {
+    let python = std::env::var_os("SHOTFLEET_PYTHON")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../.venv/bin/python"));
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../onnx").join(script);
+    let output = std::process::Command::new(&python)
+        .arg(&path)
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| panic!("{}: {e}; run `bash scripts/setup.sh`", python.display()));
+    assert!(output.status.success(), "{script}: {}", String::from_utf8_lossy(&output.stderr));
+}
+
+/// Every file under `from`, copied to the same place under `to`.
+pub fn copy_dir(from: &Path, to: &Path) {
+    for entry in std::fs::read_dir(from).unwrap() {
+        let path = entry.unwrap().path();
+        let target = to.join(path.file_name().unwrap());
+        if path.is_dir() {
+            copy_dir(&path, &target);
+        } else {
+            std::fs::create_dir_all(to).unwrap();
+            std::fs::copy(&path, &target).unwrap();
+        }
+    }
+}
+
+/// The RGB bytes of a PNG.
+pub fn decode_png(png: &[u8]) -> Vec<u8> {
+    let decoder = png::Decoder::new(std::io::Cursor::new(png));
+    let mut reader = decoder.read_info().unwrap();
+    let mut buf = vec![0; reader.output_buffer_size().unwrap()];
+    let info = reader.next_frame(&mut buf).unwrap();
+    buf.truncate(info.buffer_size());
+    buf
+}
+
+/// The pixels of one small render (64x64, 4 steps, seed 11): what the format tests compare.
+pub fn lighthouse_pixels(pipeline: &Pipeline) -> Vec<u8> {
+    let request = RenderRequest {
+        prompt: "a lighthouse on a cliff at dawn".into(),
+        negative_prompt: Some("blurry".into()),
+        width: 64,
+        height: 64,
+        steps: 4,
+        guidance: 6.0,
+        seed: 11,
+        image_indices: vec![0],
+        max_batch: 1,
+    };
+    let out = pipeline.render(&request, &mut |_| std::ops::ControlFlow::Continue(())).unwrap();
+    decode_png(&out.images[0].png)
+}
+
+/// Largest and mean per-pixel difference, in uint8 levels.
+pub fn pixel_difference(a: &[u8], b: &[u8]) -> (u8, f64) {
+    assert_eq!(a.len(), b.len());
+    let diffs: Vec<u8> = a.iter().zip(b).map(|(x, y)| x.abs_diff(*y)).collect();
+    (*diffs.iter().max().unwrap(), diffs.iter().map(|&d| f64::from(d)).sum::<f64>() / diffs.len() as f64)
+}
+
 pub fn npy_f32(path: &Path) -> ArrayD<f32> {
     let file = std::fs::File::open(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     ArrayD::<f32>::read_npy(file).unwrap_or_else(|e| panic!("{}: {e}", path.display()))

@@ -11,6 +11,11 @@ pub enum LoraError {
     #[error("the model {model} takes no LoRAs: its UNet has no lora_map.json (run onnx/lora_ready.py on the model folder)")]
     NotPrepared { model: PathBuf },
 
+    /// The UNet's weights are packed into a few bits (`onnx/quantize_unet.py`): a LoRA merges into
+    /// float weights, so this worker takes no LoRA job; a worker with the float model does.
+    #[error("the model {model} takes no LoRAs: its UNet's weights are packed into {bits} bits (onnx/quantize_unet.py); LoRA jobs need the float model prepared with onnx/lora_ready.py")]
+    Packed { model: PathBuf, bits: u8 },
+
     /// A LoRA adapts a layer the model does not have: it was made for another model.
     #[error("LoRA `{lora}` adapts {part} layer `{module}`, but {detail}: made for another model?")]
     NotInModel { lora: String, part: Part, module: String, detail: String },

@@ -48,7 +48,14 @@ impl Pipeline {
         &self.lora_maps
     }
 
-    fn require_loras(&self) -> Result<(), LoraError> {
+    /// Why a job with LoRAs cannot run on this model, if it cannot.
+    ///
+    /// # Errors
+    /// [`LoraError::Packed`] for a quantized UNet, else [`LoraError::NotPrepared`] without maps.
+    pub fn require_loras(&self) -> Result<(), LoraError> {
+        if let Some(packed) = self.info.unet_packed {
+            return Err(LoraError::Packed { model: self.model_dir.clone(), bits: packed.bits });
+        }
         if self.takes_loras() { Ok(()) } else { Err(LoraError::NotPrepared { model: self.model_dir.clone() }) }
     }
 

@@ -60,9 +60,8 @@ const NO_DEVICE_MEMORY_DELAY: Duration = Duration::from_secs(1);
 pub struct Loras {
     library: LoraLibrary,
     pool: Arc<LoraPool>,
-    /// Whether the model was prepared for LoRAs (`onnx/lora_ready.py`).
-    takes_loras: bool,
-    model: std::path::PathBuf,
+    /// Why the model takes no LoRAs (no maps, or a quantized UNet); `None` when it takes them.
+    refusal: Option<String>,
 }
 
 /// The set a job asks for: its LoRAs that change something (weight not 0) and their key.
@@ -131,15 +130,16 @@ impl Loras {
         let library_config = config.lora.library(&config.state_dir);
         let library = LoraLibrary::open(&config.store, &library_config, env)?;
         let limits = config.lora.pool_limits(idle_room);
+        let refusal = pipeline.require_loras().err().map(|e| e.to_string());
         info!(
             library = library.location(),
             cache = %library_config.cache_dir.display(),
             pool_device_mib = limits.device_bytes / MIB,
             pool_host_mib = limits.host_bytes / MIB,
-            takes_loras = pipeline.takes_loras(),
+            takes_loras = refusal.is_none(),
             "LoRA library and pool"
         );
-        Ok(Loras { library, pool: Arc::new(LoraPool::new(limits)), takes_loras: pipeline.takes_loras(), model: config.model.clone() })
+        Ok(Loras { library, pool: Arc::new(LoraPool::new(limits)), refusal })
     }
 
     /// The pool as a line of the budget.
@@ -183,8 +183,9 @@ impl Loras {
         if loras.is_empty() {
             return Ok(None);
         }
-        if !self.takes_loras {
-            return Err(JobError::transient(LoraError::NotPrepared { model: self.model.clone() }.to_string()));
+        if let Some(why) = &self.refusal {
+            // Transient: another worker of the fleet may take LoRAs.
+            return Err(JobError::transient(why.clone()));
         }
         let key = SetKey::new(loras.iter().map(|l| (l.sha256.clone(), l.weight)));
         Ok(Some(JobSet { key, loras }))
