@@ -98,6 +98,16 @@ pub(crate) struct Runs {
     shrinking: Arc<RunOptions>,
     shrink: Shrink,
     handle: CancelHandle,
+    /// The arenas `shrinking` names, as ONNX Runtime writes them ([`arenas_of`]).
+    arenas: String,
+}
+
+/// The arenas a shrinking run on `device` names, as ONNX Runtime writes them.
+fn arenas_of(device: &Device) -> String {
+    match device {
+        Device::Cpu => "cpu:0".to_owned(),
+        Device::Cuda { gpu, .. } => format!("gpu:{gpu}"),
+    }
 }
 
 impl Runs {
@@ -106,21 +116,27 @@ impl Runs {
         let err = RenderError::runtime(Stage::TextEncode);
         let plain = Arc::new(RunOptions::new().map_err(err)?);
         handle.attach(&plain).map_err(err)?;
-        // The value names the arenas' devices as ONNX Runtime writes them.
-        let arenas = match device {
-            Device::Cpu => "cpu:0".to_owned(),
-            Device::Cuda { gpu, .. } => format!("gpu:{gpu}"),
-        };
+        let arenas = arenas_of(device);
         let mut shrinking = RunOptions::new().map_err(err)?;
-        shrinking.set("memory.enable_memory_arena_shrinkage", arenas).map_err(err)?;
+        shrinking.set("memory.enable_memory_arena_shrinkage", arenas.as_str()).map_err(err)?;
         let shrinking = Arc::new(shrinking);
         handle.attach(&shrinking).map_err(err)?;
-        Ok(Runs { plain, shrinking, shrink, handle: handle.clone() })
+        Ok(Runs { plain, shrinking, shrink, handle: handle.clone(), arenas })
     }
 
     /// Options for a run that is not a graph's last of the render.
     pub(crate) fn plain(&self) -> &RunOptions {
         self.last(false)
+    }
+
+    /// Options for a run of a graph whose session runs on `device`, which may not be the
+    /// render's (text encoders moved to the CPU of a small card). Such a run never shrinks:
+    /// ONNX Runtime fails a run whose shrink list names a device the session has no arena on
+    /// ("Did not find an arena based allocator registered for device-id combination", every
+    /// worker of the 2026-12-01 small-card lease at its first probe), and the host's arena is
+    /// not the card's budget anyway.
+    pub(crate) fn plain_on(&self, device: &Device) -> &RunOptions {
+        if arenas_of(device) == self.arenas { self.plain() } else { &self.plain }
     }
 
     /// Options for a run; `is_last`: the graph's last run of the render.
@@ -162,5 +178,26 @@ impl Runs {
         move |source| {
             if self.handle.is_cancelled() { RenderError::Terminated { stage } } else { RenderError::Runtime { stage, source } }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::pipeline::CudaConfig;
+
+    /// A render on the card whose text encoders run on the CPU: every run of theirs takes the
+    /// plain options, even when the render shrinks every run. The GPU half cannot run here, so
+    /// this checks the choice; the lease of 2026-12-01 showed what the wrong one does.
+    #[test]
+    fn a_graph_on_another_device_takes_options_that_never_shrink() {
+        crate::pipeline::session::environment(None).expect("ONNX Runtime: source scripts/env.sh");
+        let card = Device::Cuda { gpu: 0, mem_limit_bytes: None, cuda: CudaConfig::default() };
+        let runs = Runs::new(&CancelHandle::new(), Shrink::EveryRun, &card).unwrap();
+        assert!(std::ptr::eq(runs.plain_on(&card), &*runs.shrinking), "the card's graphs shrink every run");
+        assert!(std::ptr::eq(runs.plain_on(&Device::Cpu), &*runs.plain), "a CPU graph beside them never shrinks");
+
+        let on_cpu = Runs::new(&CancelHandle::new(), Shrink::EveryRun, &Device::Cpu).unwrap();
+        assert!(std::ptr::eq(on_cpu.plain_on(&Device::Cpu), &*on_cpu.shrinking), "all on the CPU: the CPU arena shrinks");
     }
 }

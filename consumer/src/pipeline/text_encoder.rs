@@ -98,7 +98,7 @@ impl Encoder {
         inputs.extend(overrides.iter().map(|(name, value)| (Cow::from(name.as_str()), SessionInputValue::from(value))));
         runs.check(Stage::TextEncode)?;
         let mut session = self.session.lock();
-        let outputs = session.run_with_options(inputs, runs.plain()).map_err(runs.err(Stage::TextEncode))?;
+        let outputs = session.run_with_options(inputs, runs.plain_on(&self.session.device)).map_err(runs.err(Stage::TextEncode))?;
         let bad = |detail: String| RenderError::Output { stage: Stage::TextEncode, detail };
         let (shape, hidden) = extract_f32(&outputs[self.penultimate.as_str()]).map_err(bad)?;
         if shape.len() != 3 || shape[0] != 1 {
