@@ -85,7 +85,8 @@ pub(crate) enum Shrink {
     ///
     /// [`Pipeline::request_arena_shrink`]: super::Pipeline::request_arena_shrink
     AtEnd,
-    /// Every run, text encoders included ([`Pipeline::shrink_arenas`]'s tiny render).
+    /// Every run, text encoders included when they run on the render's device
+    /// ([`Pipeline::shrink_arenas`]'s tiny render; [`Runs::plain_on`]).
     ///
     /// [`Pipeline::shrink_arenas`]: super::Pipeline::shrink_arenas
     EveryRun,
@@ -132,9 +133,8 @@ impl Runs {
     /// Options for a run of a graph whose session runs on `device`, which may not be the
     /// render's (text encoders moved to the CPU of a small card). Such a run never shrinks:
     /// ONNX Runtime fails a run whose shrink list names a device the session has no arena on
-    /// ("Did not find an arena based allocator registered for device-id combination", every
-    /// worker of the 2026-12-01 small-card lease at its first probe), and the host's arena is
-    /// not the card's budget anyway.
+    /// ("Did not find an arena based allocator registered for device-id combination"), and the
+    /// host's arena is not the card's budget anyway.
     pub(crate) fn plain_on(&self, device: &Device) -> &RunOptions {
         if arenas_of(device) == self.arenas { self.plain() } else { &self.plain }
     }
@@ -187,8 +187,8 @@ mod tests {
     use crate::pipeline::CudaConfig;
 
     /// A render on the card whose text encoders run on the CPU: every run of theirs takes the
-    /// plain options, even when the render shrinks every run. The GPU half cannot run here, so
-    /// this checks the choice; the lease of 2026-12-01 showed what the wrong one does.
+    /// plain options, even when the render shrinks every run. A CUDA run cannot happen here, so
+    /// this checks the choice of options.
     #[test]
     fn a_graph_on_another_device_takes_options_that_never_shrink() {
         crate::pipeline::session::environment(None).expect("ONNX Runtime: source scripts/env.sh");
