@@ -4,16 +4,27 @@
 #
 #   card-N     N in SMALL_CARDS_MIB (GPU: 8192 12288 24576): the mixed run's worker (concurrency 2,
 #              the tuned [cuda] tables, the budget stage's calibration, default [budget]) with
-#              [budget] max_mib = N: a card of N MiB. The seeded mixed storyboard (SMALL_JOBS 200,
-#              MIX_STEPS 2): the jobs of the classes the worker serves (its /readyz) are submitted
-#              with --wait; the others are submitted too and left waiting for a roomier worker, as
-#              in a fleet (counted, not awaited). A worker that holds nothing exits 78 at start:
-#              recorded with its reason. FLEET_RUNS `cards` names them all. SMALL_TAG (e.g. q4, with
-#              FLEET_MODEL=/root/sdxl-q4) names the runs card-N-TAG, beside the float model's.
+#              [budget] max_mib = N: a card of N MiB, alone in its fleet. The seeded mixed storyboard
+#              (SMALL_JOBS 200, MIX_STEPS 2), every job awaited (CARD_LIMIT_S): a job of a class the
+#              card does not hold is sent down the degrade ladder by the worker once it waited
+#              [degrade] handoff (no live worker holds it), so every job ends done, degraded or
+#              failed. A worker that holds nothing exits 78 at start: recorded with its reason. An
+#              entry N:TAG:MODEL renders MODEL (e.g. 8192:q4:/root/sdxl-q4, the 4-bit UNet) in run
+#              card-N-TAG; SMALL_TAG with FLEET_MODEL does the same for every entry. FLEET_RUNS
+#              `cards` names them all.
 #   pair       two workers on one card and one NATS server: max_mib PAIR_SMALL_MIB (12288) and
-#              the rest of the card (less PAIR_SLACK_MIB, 1024), both the card runs' worker; the
-#              same 200 mixed jobs, awaited. If the small one holds nothing (exit 78), it starts
+#              PAIR_BIG_MIB (default the rest of the card less PAIR_SLACK_MIB, 1024), both the card
+#              runs' worker; the same 200 mixed jobs, awaited. PAIR_SMALL_FAULTS (TOML keys of a
+#              [faults] table, e.g. "arena_limit_mib = 2400") with PAIR_SMALL_CALIBRATION (shapes,
+#              e.g. 256x256x1,384x384x1,512x512x1) make the small one run out of memory for real on
+#              sizes its budget admits from probes below them: what it gives back after a real
+#              out-of-memory, and who renders that. If the small one holds nothing (exit 78), it starts
 #              again with PAIR_FALLBACK_MIB (24576), recorded. Worker ids fleet/small, fleet/big.
+#   SMALL_PARALLEL=1  the card runs and the pair at once, each its own fleet (NATS server, store,
+#              state, ports, memory sampler in its run folder) sharing the card: the shares are what
+#              keeps them apart ([budget] max_mib), so the pair needs PAIR_BIG_MIB. SMALL_INTRA_THREADS
+#              sets each worker's intra_threads (the CPU's cores shared between the workers whose
+#              text encoders run there).
 #   long-a, long-b  the 1,000-job mixed run (LONG_JOBS 1000), half each (one call each): the fused
 #              UNet under the hog (HOG_KEEP_FREE_GIB 36 left), concurrency 1 and [budget]
 #              cold_renders = true, so every job's `observed peak` line is its own (live predicted
@@ -33,10 +44,15 @@ else
     CARD_LIMIT_S=${CARD_LIMIT_S:-60} PAIR_LIMIT_S=${PAIR_LIMIT_S:-90}
 fi
 
-# small_config FILE TOP BUDGET_KEYS: the mixed run's worker (tuned [cuda] tables, the budget
-# stage's calibration) with TOP keys and a [budget] table of BUDGET_KEYS.
+# small_config FILE TOP BUDGET_KEYS [CALIBRATION [TABLES]]: the mixed run's worker (tuned [cuda]
+# tables, the budget stage's calibration or CALIBRATION) with TOP keys, a [budget] table of
+# BUDGET_KEYS and TABLES after it; SMALL_INTRA_THREADS joins the top keys.
 small_config() {
-    write_config "$1" "$2" "$(calibration "$BUDGET_CALIBRATION" 2)"$'\n\n'"$TUNED"$'\n'"$WS_CAPPED"$'\n\n[budget]\n'"$3"
+    local top=$2 tables
+    [ -n "${SMALL_INTRA_THREADS:-}" ] && top+=$'\n'"intra_threads = $SMALL_INTRA_THREADS"
+    tables="$(calibration "${4:-$BUDGET_CALIBRATION}" 2)"$'\n\n'"$TUNED"$'\n'"$WS_CAPPED"$'\n\n[budget]\n'"$3"
+    [ -n "${5:-}" ] && tables+=$'\n\n'"$5"
+    write_config "$1" "$top" "$tables"
 }
 
 served_classes() {  # ADDR: the classes the worker's /readyz says it serves, comma separated
@@ -65,54 +81,89 @@ mixed_jobs() {
         --steps "$steps" --scale "$SCALE" "$@" | tee -a "$RUN_DIR/storyboard.txt"
 }
 
-# The seconds the runs after this one keep back (the ones FLEET_RUNS names).
+# The seconds the runs after this one keep back (the ones FLEET_RUNS names; none when they run
+# beside it).
 kept_for_later() {
     local after=$1 s=0
+    if [ "${SMALL_PARALLEL:-0}" = 1 ]; then echo 0; return; fi
     case "$after" in
         cards) wanted pair && s=$((s + PAIR_LIMIT_S + 60)) ;;
     esac
     echo "$s"
 }
 
-small_card() {  # MIB
-    local mib=$1 name=card-$1${SMALL_TAG:+-$SMALL_TAG} classes timeout
+# Runs side by side (SMALL_PARALLEL=1): each run's own memory sampler of its worker, in its folder
+# (the stage's sampler follows one worker at a time).
+run_sampler_start() {
+    RUN_SAMPLER_PID=''
+    [ "${SMALL_PARALLEL:-0}" = 1 ] || return 0
+    echo > "$WORK/worker.pid"
+    vram_sampler "$RUN_DIR/vram.csv" "$WORK/worker.pid" "$BASHPID" > /dev/null 2>> "$RUN_DIR/vram.err" < /dev/null &
+    RUN_SAMPLER_PID=$!
+}
+
+run_sampler_stop() {
+    stop_pid "$RUN_SAMPLER_PID" TERM 3
+    RUN_SAMPLER_PID=''
+}
+
+card_run_name() {  # ENTRY (MIB or MIB:TAG:MODEL) -> card-MIB[-TAG]
+    local mib tag model
+    IFS=: read -r mib tag model <<< "$1"
+    tag=${tag:-${SMALL_TAG:-}}
+    echo "card-$mib${tag:+-$tag}"
+}
+
+small_card() {  # MIB or MIB:TAG:MODEL
+    local mib tag model name classes timeout
+    IFS=: read -r mib tag model <<< "$1"
+    model=${model:-$MODEL} name=$(card_run_name "$1")
     wanted cards || wanted "$name" || return 0
     if [ "$(left)" -lt $((RUN_MIN_S + 30)) ]; then run_skip "$name" "a $mib MiB share" "$(left) s left"; return 0; fi
     if run_begin "$name" "a $mib MiB share of the card"; then
+        run_sampler_start
         meta max_mib "$mib"
-        meta model "$MODEL"
+        meta model "$model"
         meta top "concurrency = 2"
         meta cuda "$(tr '\n' ';' <<< "$TUNED"$'\n'"$WS_CAPPED")"
+        [ "${SMALL_PARALLEL:-0}" = 1 ] && meta parallel "the other card runs and the pair shared the card meanwhile"
         small_config "$WORK/$name.toml" "concurrency = 2" "max_mib = $mib"
-        if worker_start "$WORK/$name.toml"; then
+        if MODEL=$model worker_start "$WORK/$name.toml"; then
             classes=$(served_classes "$METRICS_ADDR")
             meta served "$classes"
-            mixed_jobs "$name" "${SMALL_JOBS:-200}" "${MIX_STEPS:-2}" --classes "$classes" --rest "$WORK/rest.jsonl"
-            if [ -s "$WORK/rest.jsonl" ]; then
-                # Classes this card does not hold wait for a roomier worker, as in a fleet.
-                cp "$WORK/rest.jsonl" "$RUN_DIR/jobs-rest.jsonl"
-                "$BIN_DIR/shotfleet" submit "$RUN_DIR/jobs-rest.jsonl" > "$RUN_DIR/submit-rest.txt" 2>&1 < /dev/null
-            fi
+            mixed_jobs "$name" "${SMALL_JOBS:-200}" "${MIX_STEPS:-2}"
             timeout=$(min_of "$CARD_LIMIT_S" $(($(left) - STOP_S - $(kept_for_later cards))))
             [ "$timeout" -ge 20 ] || timeout=20
-            if [ -s "$WORK/jobs.jsonl" ]; then
-                submit_set m "the mixed jobs of the classes it serves (${MIX_STEPS:-2} steps)" "$WORK/jobs.jsonl" "$timeout"
-            fi
+            # Every job, awaited: those of classes the card does not hold end degraded (or failed
+            # below their floor) once the worker finds that no live worker holds them.
+            submit_set m "the mixed jobs, every one awaited (${MIX_STEPS:-2} steps)" "$WORK/jobs.jsonl" "$timeout"
             "$BIN_DIR/shotfleet" status > "$RUN_DIR/status.txt" 2>&1 < /dev/null
         fi
     fi
     run_end
+    run_sampler_stop
 }
 
 # pair_small_start MIB: the pair's small worker, in $RUN_DIR/small (its own meta.txt, worker.toml,
 # worker.log), through worker_start with its variables set aside: SMALL_PID and SMALL_ADDR after.
+# PAIR_SMALL_ARENA_MIB caps its arena below what its budget believes (on the GPU [faults]
+# arena_limit_mib, on the CPU cpu_arena_max_mib), PAIR_SMALL_CALIBRATION sets its probes.
 pair_small_start() {
-    local outer=$RUN_DIR outer_addr=$METRICS_ADDR rc=0
+    local outer=$RUN_DIR outer_addr=$METRICS_ADDR rc=0 top="concurrency = 2" tables=''
     RUN_DIR=$outer/small
     rm -rf "$RUN_DIR"
     mkdir -p "$RUN_DIR"
     meta max_mib "$1"
-    small_config "$WORK/pair-small.toml" "concurrency = 2" "max_mib = $1"
+    if [ -n "${PAIR_SMALL_ARENA_MIB:-}" ]; then
+        meta arena_limit_mib "$PAIR_SMALL_ARENA_MIB"
+        if [ "$DEVICE" = cuda ]; then
+            tables=$'[faults]\n'"arena_limit_mib = $PAIR_SMALL_ARENA_MIB"
+        else
+            top+=$'\n'"cpu_arena_max_mib = $PAIR_SMALL_ARENA_MIB"
+        fi
+    fi
+    [ -n "${PAIR_SMALL_CALIBRATION:-}" ] && meta calibration "$PAIR_SMALL_CALIBRATION"
+    small_config "$WORK/pair-small.toml" "$top" "max_mib = $1" "${PAIR_SMALL_CALIBRATION:-}" "$tables"
     FLEET_WORKER_ID=fleet/small worker_start "$WORK/pair-small.toml" || rc=$?
     SMALL_PID=$WORKER_PID SMALL_ADDR=$METRICS_ADDR
     OTHER_WORKER_PIDS="$OTHER_WORKER_PIDS $SMALL_PID"
@@ -134,6 +185,7 @@ small_pair() {
     wanted pair || return 0
     if [ "$(left)" -lt $((RUN_MIN_S + 60)) ]; then run_skip pair "two workers on one card" "$(left) s left"; return 0; fi
     if run_begin pair "two workers on one card: a small share and the rest"; then
+        run_sampler_start
         total=$(card_total_mib)
         meta card_total_mib "$total"
         SMALL_PID='' SMALL_ADDR=''
@@ -145,10 +197,10 @@ small_pair() {
                 pair_small_start "$PAIR_FALLBACK_MIB"
             fi
         fi
-        # The rest of the card; where its size cannot be read, the whole card (the small one's
-        # usage then shows in what the card has free).
-        big=''
-        [ -n "$total" ] && big=$((total - $(meta_get "$RUN_DIR/small" max_mib) - ${PAIR_SLACK_MIB:-1024}))
+        # PAIR_BIG_MIB, or the rest of the card; where its size cannot be read, the whole card (the
+        # small one's usage then shows in what the card has free).
+        big=${PAIR_BIG_MIB:-}
+        [ -z "$big" ] && [ -n "$total" ] && big=$((total - $(meta_get "$RUN_DIR/small" max_mib) - ${PAIR_SLACK_MIB:-1024}))
         meta big_max_mib "${big:-whole card}"
         small_config "$WORK/pair-big.toml" "concurrency = 2" "${big:+max_mib = $big}"
         [ -n "$SMALL_PID" ] || meta error "the small worker did not start: $(meta_get "$RUN_DIR/small" error)"
@@ -162,6 +214,39 @@ small_pair() {
         pair_small_stop
     fi
     run_end
+    run_sampler_stop
+}
+
+# in_own_work DIR CMD...: CMD with WORK set to DIR for it and all it calls.
+in_own_work() {
+    local WORK=$1
+    shift
+    mkdir -p "$WORK"
+    "$@"
+}
+
+# The card runs and the pair side by side (SMALL_PARALLEL=1), each in a subshell of its own with
+# its own WORK (NATS, state, store, worker.pid); their lines reach this log marked with the run.
+small_parallel() {
+    local pids=() entry name base=$WORK
+    for entry in $SMALL_CARDS_MIB pair; do
+        if [ "$entry" = pair ]; then
+            name=pair
+            wanted pair || continue
+        else
+            name=$(card_run_name "$entry")
+            wanted cards || wanted "$name" || continue
+        fi
+        if [ "$entry" = pair ]; then
+            (in_own_work "$base/$name" small_pair) > >(sed -u "s/^/[$name] /") 2>&1 &
+        else
+            (in_own_work "$base/$name" small_card "$entry") > >(sed -u "s/^/[$name] /") 2>&1 &
+        fi
+        pids+=($!)
+        sleep 2 # free_port picks the runs' ports one run at a time
+    done
+    [ ${#pids[@]} -eq 0 ] || wait "${pids[@]}"
+    return 0
 }
 
 small_long() {  # a|b: the first or second half of the 1,000-job run
@@ -187,9 +272,13 @@ small_long() {  # a|b: the first or second half of the 1,000-job run
 }
 
 stage_small() {
-    local mib
-    for mib in $SMALL_CARDS_MIB; do small_card "$mib"; done
-    small_pair
+    local entry
+    if [ "${SMALL_PARALLEL:-0}" = 1 ]; then
+        small_parallel
+    else
+        for entry in $SMALL_CARDS_MIB; do small_card "$entry"; done
+        small_pair
+    fi
     small_long a
     small_long b
 }

@@ -177,7 +177,8 @@ class Vram:
 
 
 SUBMIT_ROW = re.compile(r"^(\S+)\s+(\S+)\s+(p[0-2])\s+(done|degraded|failed|unknown)\s+(\S+)\s+(\S+)\s*(.*)$")
-TALLY = re.compile(r"^(\d+) done, (\d+) degraded, (\d+) failed$")
+# `submit --wait`'s last line; ", N cancelled" since cancelling exists.
+TALLY = re.compile(r"^(\d+) done, (\d+) degraded, (\d+) failed(?:, (\d+) cancelled)?$")
 
 
 def read_submit(path: Path) -> dict:
@@ -189,7 +190,7 @@ def read_submit(path: Path) -> dict:
         line = line.rstrip()
         m = TALLY.match(line)
         if m:
-            out["tally"] = {"done": int(m[1]), "degraded": int(m[2]), "failed": int(m[3])}
+            out["tally"] = {"done": int(m[1]), "degraded": int(m[2]), "failed": int(m[3]), "cancelled": int(m[4] or 0)}
             continue
         m = SUBMIT_ROW.match(line)
         if m and m[1] != "job":
@@ -310,6 +311,9 @@ def cuda_table(meta: dict) -> dict | None:
 
 def run_summary(run_dir: Path, vram: Vram, device: str | None) -> dict:
     meta = read_meta(run_dir / "meta.txt")
+    if (run_dir / "vram.csv").exists():
+        # A run beside others (fleet-small.sh, SMALL_PARALLEL) sampled its own worker.
+        vram = Vram([run_dir / "vram.csv"], vram.baseline)
     out = {"name": run_dir.name, "label": meta.get("label")}
     if meta.get("skipped"):
         out.update(status="skipped", note=meta["skipped"])

@@ -18,14 +18,23 @@
 #   diffusers-eager     the same, eager cells only -> diffusers-eager.json (report.py prefers its eager
 #                   cells: run it when nothing else runs, i.e. after optimize-wait)
 #   optimize-wait   waits for the background jobs of optimize-start
-#   quantize        optimize-wait, then onnx/quantize_unet.py: /root/sdxl with its UNet's linear weights
-#                   packed into QUANT_BITS bits (default "4"; "4 8" makes both) -> /root/sdxl-qN,
-#                   quantize-qN.json (the record: MatMuls packed, weight bytes before and after, seconds)
+#   plain           after export: the plain fp16 UNet (no fusion, onnx/to_fp16.py of the fp32 export) in a
+#                   full model folder of its own, /root/sdxl-plain (the other parts copied from /root/sdxl):
+#                   what the small-card runs render while ORT's optimizer still runs (CPU only, ~2 min)
+#   quantize        onnx/quantize_unet.py: QUANT_FROM (default /root/sdxl, after optimize-wait) with its
+#                   UNet's linear weights packed into QUANT_BITS bits (default "4"; "4 8" makes both) ->
+#                   /root/sdxl-qN, quantize-qN.json (the record: MatMuls packed, weight bytes before and after, seconds)
 #   unet            optimize-wait, then onnx/bench_unet.py -> unet.json
+#   profile         optimize-wait, then onnx/profile_unet.py: the fused UNet's time per node and op type
+#                   against each one's roofline, batches PROFILE_BATCHES (2,8) at 1024² -> profile.json, profile.md
+#   tune            optimize-wait, then onnx/tune_unet.py time: graph rewrites (TUNE_VARIANTS) against the
+#                   fused UNet, alternating, outputs compared -> tune.json
 #   fleet-speed     optimize-wait, then `deploy/gpu/fleet.sh speed` (binaries from .gpu/bin) -> fleet-speed.json
 #   fleet-budget    optimize-wait, then `deploy/gpu/fleet.sh budget` -> budget.json, budget-check.jsonl, budget-check-ws.jsonl
 #   fleet-small     optimize-wait, then `deploy/gpu/fleet.sh small` (issue 19: shares of the card, two
-#                   workers on one card, the 1,000-job run; FLEET_RUNS picks) -> small.json
+#                   workers on one card, the 1,000-job run; FLEET_RUNS picks) -> small.json. With
+#                   FLEET_MODEL naming another folder than /root/sdxl (e.g. /root/sdxl-plain) a fleet
+#                   stage does not wait for the optimizer.
 #   fleet-see       optimize-wait, then `deploy/gpu/fleet.sh see` (issue 16) -> see-the-work.json
 #   fleet-box       optimize-wait, then `deploy/gpu/fleet.sh box` (issue 18, two GPUs: one worker on GPU 0,
 #                   then `shotfleet-consumer --gpus all`, then the box under memory pressure; FLEET_RUNS
@@ -54,6 +63,7 @@ NP=$ROOT/np
 SDXL=$ROOT/sdxl
 SDXL32=$ROOT/sdxl-fp32
 UNFUSED_DIR=$ROOT/sdxl-unfused
+PLAIN=$ROOT/sdxl-plain
 OUT=${OUT:-$ROOT/out}
 CALL_LIMIT_S=${CALL_LIMIT_S:-560}
 REPO=$PWD
@@ -199,14 +209,29 @@ stage_export() {
     done
 }
 
+stage_plain() {
+    [ -f "$SDXL32/unet/model.onnx" ] || { echo "no fp32 UNet in $SDXL32: run export first" >&2; return 3; }
+    ort_env
+    rm -rf "$PLAIN"
+    log "converting the fp32 UNet to plain fp16 -> $PLAIN"
+    python3 onnx/to_fp16.py "$SDXL32" "$PLAIN" > "$RESULTS/plain.log" 2>&1 || { tail -n 5 "$RESULTS/plain.log"; return 5; }
+    # The other parts as they are in $SDXL, copied (onnx refuses hard-linked external data).
+    local entry
+    for entry in "$SDXL"/*; do
+        [ "$(basename "$entry")" = unet ] || cp -r "$entry" "$PLAIN/" || return 5
+    done
+    tail -n 2 "$RESULTS/plain.log"
+    du -sh "$PLAIN"/*
+}
+
 stage_quantize() {
-    local bits rc=0
-    stage_optimize_wait || return
+    local bits rc=0 from=${QUANT_FROM:-$SDXL}
+    if [ "$from" = "$SDXL" ]; then stage_optimize_wait || return; fi
     ort_env
     for bits in ${QUANT_BITS:-4}; do
-        log "packing $SDXL's UNet into $bits bits -> $ROOT/sdxl-q$bits"
+        log "packing $from's UNet into $bits bits -> $ROOT/sdxl-q$bits"
         rm -rf "$ROOT/sdxl-q$bits"
-        if python3 onnx/quantize_unet.py "$SDXL" "$ROOT/sdxl-q$bits" --bits "$bits" > "$RESULTS/quantize-q$bits.log" 2>&1; then
+        if python3 onnx/quantize_unet.py "$from" "$ROOT/sdxl-q$bits" --bits "$bits" > "$RESULTS/quantize-q$bits.log" 2>&1; then
             cp "$ROOT/sdxl-q$bits/unet/quantization.json" "$RESULTS/quantize-q$bits.json"
             to_out "$RESULTS/quantize-q$bits.json"
         else
@@ -333,10 +358,42 @@ stage_unet() {
     return $rc
 }
 
+# The fused UNet's profile (issue 17): per node and op type against their rooflines.
+stage_profile() {
+    stage_optimize_wait || return
+    ort_env
+    local budget
+    budget=$(min "${PROFILE_BUDGET_S:-240}" "$(($(left) - 40))")
+    log "profile_unet.py, batches ${PROFILE_BATCHES:-2,8}, limit $budget s"
+    timeout -k 10 "$budget" python3 onnx/profile_unet.py --model "$SDXL/unet/model.onnx" --batches "${PROFILE_BATCHES:-2,8}" \
+        --size 1024 --cuda-option cudnn_conv_algo_search=HEURISTIC --out "$RESULTS/profile.json" --md "$RESULTS/profile.md" \
+        > "$RESULTS/profile.log" 2>&1
+    local rc=$?
+    tail -n 60 "$RESULTS/profile.log"
+    to_out "$RESULTS/profile.json" "$RESULTS/profile.md"
+    return $rc
+}
+
+# Graph rewrites of the fused UNet against it (issue 17), the worker's [cuda.unet] options.
+stage_tune() {
+    stage_optimize_wait || return
+    ort_env
+    local budget
+    budget=$(min "${TUNE_BUDGET_S:-200}" "$(($(left) - 40))")
+    log "tune_unet.py time, variants ${TUNE_VARIANTS:-shapes,all}, limit $budget s"
+    timeout -k 10 "$budget" python3 onnx/tune_unet.py time --model "$SDXL/unet/model.onnx" --variants "${TUNE_VARIANTS:-shapes,all}" \
+        --cuda-option cudnn_conv_algo_search=HEURISTIC --out "$RESULTS/tune.json" 2>&1 | tee "$RESULTS/tune.log"
+    local rc=${PIPESTATUS[0]}
+    rm -f "$SDXL"/unet/model-tune-*.onnx
+    to_out "$RESULTS/tune.json"
+    return "$rc"
+}
+
 # stage_fleet speed|budget: deploy/gpu/fleet.sh STAGE, ending 40 s before the call's limit (report).
 stage_fleet() {
     local part=$1
-    stage_optimize_wait || return
+    # A fleet stage on another model folder (FLEET_MODEL) does not need the optimizer's UNet.
+    if [ "${FLEET_MODEL:-$SDXL}" = "$SDXL" ]; then stage_optimize_wait || return; fi
     [ -d .gpu/bin ] || { echo "carry .gpu/bin (the release binaries built here) in this call" >&2; return 2; }
     ort_env
     chmod +x .gpu/bin/* 2> /dev/null
@@ -387,7 +444,10 @@ run_stage() {
         export) stage_export || rc=$? ;;
         optimize-start) stage_optimize_start || rc=$? ;;
         optimize-wait) stage_optimize_wait || rc=$? ;;
+        plain) stage_plain || rc=$? ;;
         quantize) stage_quantize || rc=$? ;;
+        profile) stage_profile || rc=$? ;;
+        tune) stage_tune || rc=$? ;;
         diffusers) stage_diffusers diffusers "${DIFFUSERS_BUDGET_S:-480}" || rc=$? ;;
         diffusers-compiled) stage_diffusers diffusers "${DIFFUSERS_BUDGET_S:-480}" --compiled-only || rc=$? ;;
         diffusers-eager) stage_diffusers diffusers-eager "${DIFFUSERS_EAGER_BUDGET_S:-150}" --eager-only || rc=$? ;;

@@ -32,8 +32,8 @@ def _ended(ended: dict | None) -> str:
 
 def cards_md(cards: list[dict]) -> list[str]:
     out = ["### Small cards: one worker on a share of the H200 (`[budget] max_mib`), the mixed storyboard", "",
-           "| share | started | models resident (text encoders, VAE decoder, UNet weights) | serves | not served (why) | probes (peak MiB) | jobs of served classes | ended | "
-           "left for a roomier card | images/s | admission OOMs | crashed |",
+           "| share | started | models resident (text encoders, VAE decoder, UNet weights) | serves | not served (why) | probes (peak MiB) | jobs awaited | ended | "
+           "jobs of classes it does not hold | images/s | admission OOMs | crashed |",
            "| --- | --- | --- | --- | --- | --- | ---: | --- | --- | ---: | ---: | --- |"]
     for c in cards:
         if c.get("status") == "skipped":
@@ -46,9 +46,12 @@ def cards_md(cards: list[dict]) -> list[str]:
         out.append(
             f"| {c.get('max_mib')} MiB | {started} | {models} | {','.join(c.get('served') or []) or '-'} | {not_served or '-'} "
             f"| {_probes(c.get('probes') or [])} | {c.get('jobs_served_classes', '-')} | {_ended(c.get('ended'))} "
-            f"| {json.dumps(c.get('left_for_a_roomier_worker') or {})} | {_num(c.get('images_per_s'), '.3f')} "
+            f"| {json.dumps(c.get('jobs_of_classes_not_held') or c.get('left_for_a_roomier_worker') or {})} | {_num(c.get('images_per_s'), '.3f')} "
             f"| {_num(c.get('admission_ooms'), 'd')} | {'**yes**' if c.get('crashed') else 'no'} |")
     out.append("")
+    if any(c.get("parallel") for c in cards):
+        out += ["The card runs (and the pair) ran side by side, each its own fleet sharing the one H200: images/s are "
+                "of a share of its compute and of the CPU, not of a card of that size.", ""]
     for c in cards:
         if c.get("holds_nothing") and c.get("error"):
             out += [f"{c.get('max_mib')} MiB: {c['error'][:700]}", ""]

@@ -103,11 +103,16 @@ def card(run: dict) -> dict:
     sets = {s["key"]: s for s in run.get("sets", [])}
     m = sets.get("m", {})
     tally_jobs = read_submit(run_dir / "submit-m.txt")["jobs"]
+    # Jobs of classes the card does not hold: before, they were submitted apart and left queued
+    # (jobs-rest.jsonl); now every job is awaited and those end down the degrade ladder.
     rest = _jobs(run_dir / "jobs-rest.jsonl")
+    unheld = collections.Counter(memory_class(j["width"], j["height"]) for j in _jobs(run_dir / "jobs-m.jsonl").values()
+                                 if memory_class(j["width"], j["height"]) not in out["served"])
     out.update(
         jobs_served_classes=m.get("jobs", 0), tally=m.get("tally"), ended=rungs([log], tally_jobs),
         images=m.get("images"), images_per_s=m.get("images_per_s"), images_per_s_steady=m.get("images_per_s_steady"),
         wall_s=m.get("wall_s"), stage_ms_median=m.get("stage_ms_median"), left_for_a_roomier_worker=dict(collections.Counter(memory_class(j["width"], j["height"]) for j in rest.values())),
+        jobs_of_classes_not_held=dict(sorted(unheld.items())), parallel=meta.get("parallel"),
         admission_ooms=run["log_counts"]["oom"] if out["started"] else None, no_room=run["log_counts"]["no_room"],
         peak_vram_gib=run.get("peak_vram_gib"), worker_exit=exit_code,
         # Stopped by fleet.sh (0) or never ready (78 is a refusal, not a crash); anything else is one.

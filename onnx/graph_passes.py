@@ -1,0 +1,267 @@
+"""Graph rewrites for the fused SDXL UNet that ONNX Runtime's optimizer leaves undone.
+
+ONNX Runtime's UNet fusion (optimize_unet.py) runs convolutions (NhwcConv) and group norms
+(GroupNorm, SkipGroupNorm) in NHWC, and leaves the rest of the graph in NCHW, so a Transpose
+stands at every border between the two: around each residual Add, each skip Concat of the up
+blocks, each upsampling Resize, and in front of the Shape ops that read a tensor's size. Each
+moves a whole activation (21 MB at 1024x1024 in the first block). These passes work only on the
+graph, never on weights, so a rewritten model.onnx sits beside its model.onnx_data.
+
+    transposes_of_shapes   Shape(Transpose(x, p)) -> Gather(Shape(x), p): the size without the move
+    sink_transposes        Add/Mul/Sub/Div of two Transposes with one perm, Concat of Transposes,
+                           and a Resize whose result is transposed back: the op runs on the
+                           untransposed tensors and one Transpose follows it, which the next pass
+                           often cancels against its inverse
+    cancel_transposes      Transpose(Transpose(x, p), inverse of p) -> x
+    dedupe_transposes      two Transposes of one tensor with one perm -> one
+
+Each returns how many nodes it changed; `optimize` runs them to a fixed point. Every rewrite is
+exact: the same numbers in another layout. onnx/tune_unet.py times the result against the
+original on the GPU and checks that the outputs agree.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+
+import numpy as np
+from onnx import ModelProto, NodeProto, helper, numpy_helper
+
+ELEMENTWISE = {"Add", "Mul", "Sub", "Div"}
+
+
+class Graph:
+    """Producer and consumer indexes over a model's main graph, kept up to date by the edits."""
+
+    def __init__(self, model: ModelProto):
+        self.model = model
+        self.g = model.graph
+        self.names = (f"sf_pass_{i}" for i in itertools.count())
+        self.reindex()
+
+    def reindex(self) -> None:
+        self.producer: dict[str, NodeProto] = {o: n for n in self.g.node for o in n.output}
+        self.consumers: dict[str, list[NodeProto]] = collections.defaultdict(list)
+        for n in self.g.node:
+            for i in n.input:
+                if i:
+                    self.consumers[i].append(n)
+        self.outputs = {o.name for o in self.g.output}
+        self.initializers = {t.name: t for t in self.g.initializer}
+
+    def fresh(self) -> str:
+        return next(self.names)
+
+    def perm(self, node: NodeProto) -> tuple[int, ...] | None:
+        if node.op_type != "Transpose" or node.domain not in ("", "ai.onnx"):
+            return None
+        for a in node.attribute:
+            if a.name == "perm":
+                return tuple(a.ints)
+        return None
+
+    def transposed(self, tensor: str) -> tuple[NodeProto, tuple[int, ...]] | None:
+        """The Transpose that produced `tensor`, with its perm."""
+        node = self.producer.get(tensor)
+        if node is None:
+            return None
+        perm = self.perm(node)
+        return (node, perm) if perm else None
+
+    def constant(self, tensor: str):
+        """The value of `tensor` where it is fixed: an initializer, a Constant, or a Cast of one."""
+        if tensor in self.initializers:
+            return numpy_helper.to_array(self.initializers[tensor])
+        node = self.producer.get(tensor)
+        if node is None:
+            return None
+        if node.op_type == "Constant":
+            value = next((a for a in node.attribute if a.name == "value"), None)
+            return numpy_helper.to_array(value.t) if value is not None else None
+        if node.op_type == "Cast":
+            inner = self.constant(node.input[0])
+            to = next(a.i for a in node.attribute if a.name == "to")
+            return None if inner is None else inner.astype(helper.tensor_dtype_to_np_dtype(to))
+        return None
+
+    def only_used_by(self, tensor: str, node: NodeProto) -> bool:
+        return tensor not in self.outputs and all(c is node for c in self.consumers[tensor])
+
+    def insert_after(self, anchor: NodeProto, new: list[NodeProto]) -> None:
+        """Puts `new` right after `anchor`, so the node list stays topologically sorted."""
+        at = list(self.g.node).index(anchor) + 1
+        for k, n in enumerate(new):
+            self.g.node.insert(at + k, n)
+
+    def remove_dead(self) -> int:
+        """Drops nodes none of whose outputs is used (a graph output counts as a use)."""
+        removed = 0
+        while True:
+            self.reindex()
+            dead = [n for n in self.g.node
+                    if all(not self.consumers.get(o) and o not in self.outputs for o in n.output if o)]
+            if not dead:
+                return removed
+            for n in dead:
+                self.g.node.remove(n)
+            removed += len(dead)
+
+
+def inverse(perm: tuple[int, ...]) -> tuple[int, ...]:
+    out = [0] * len(perm)
+    for i, p in enumerate(perm):
+        out[p] = i
+    return tuple(out)
+
+
+def transposes_of_shapes(graph: Graph) -> int:
+    changed = 0
+    for t in [n for n in graph.g.node if graph.perm(n)]:
+        users = graph.consumers[t.output[0]]
+        shapes = [u for u in users if u.op_type == "Shape" and u.domain in ("", "ai.onnx") and not u.attribute]
+        for s in shapes:
+            raw = graph.fresh()
+            perm = numpy_helper.from_array(np.array(graph.perm(t), dtype=np.int64), graph.fresh())
+            graph.g.initializer.append(perm)
+            gather = helper.make_node("Gather", [raw, perm.name], [s.output[0]], name=graph.fresh(), axis=0)
+            s.input[0] = t.input[0]
+            s.output[0] = raw
+            graph.insert_after(s, [gather])
+            changed += 1
+        if shapes:
+            graph.reindex()
+    return changed
+
+
+def _sink(graph: Graph, op: NodeProto, inputs: list[tuple[str, NodeProto]], perm: tuple[int, ...], rewire) -> bool:
+    """Runs `op` on the tensors before their Transposes (`rewire` adjusts its inputs and
+    attributes) and transposes its result once instead, unless that adds Transposes: the inputs'
+    Transposes that only fed `op` go, and so will the consumers of `op` that transpose its result
+    back (the cancel pass); one Transpose is added unless every consumer is such an inverse. A
+    tie moves the Transpose one op on, where it may meet its inverse; it never moves back, so the
+    passes end."""
+    out = op.output[0]
+    users = graph.consumers[out]
+    back = [u for u in users if graph.perm(u) == inverse(perm)]
+    adds = int(out in graph.outputs or len(back) < len(users))
+    dead = sum(1 for name in {name for name, _ in inputs} if graph.only_used_by(name, op))
+    if dead + len(back) == 0 or dead + len(back) < adds:
+        return False
+    rewire(op)
+    fresh = graph.fresh()
+    op.output[0] = fresh
+    graph.insert_after(op, [helper.make_node("Transpose", [fresh], [out], name=graph.fresh(), perm=list(perm))])
+    graph.reindex()
+    return True
+
+
+def sink_transposes(graph: Graph) -> int:
+    changed = 0
+    for op in list(graph.g.node):
+        if op.domain not in ("", "ai.onnx") or not op.output:
+            continue
+        if op.op_type in ELEMENTWISE and len(op.input) == 2:
+            a, b = (graph.transposed(i) for i in op.input)
+            if not a or not b or a[1] != b[1]:
+                continue
+            perm = a[1]
+            ins = [(op.input[0], a[0]), (op.input[1], b[0])]
+
+            def rewire(node, a=a, b=b):
+                node.input[0], node.input[1] = a[0].input[0], b[0].input[0]
+
+            changed += _sink(graph, op, ins, perm, rewire)
+        elif op.op_type == "Concat":
+            found = [graph.transposed(i) for i in op.input]
+            if not found or any(f is None for f in found) or len({f[1] for f in found}) != 1:
+                continue
+            perm = found[0][1]
+            axis = next(a.i for a in op.attribute if a.name == "axis")
+            axis = axis % len(perm)
+
+            def rewire(node, found=found, perm=perm, axis=axis):
+                for k, f in enumerate(found):
+                    node.input[k] = f[0].input[0]
+                for a in node.attribute:
+                    if a.name == "axis":
+                        a.i = perm[axis]
+
+            changed += _sink(graph, op, [(i, f[0]) for i, f in zip(op.input, found)], perm, rewire)
+        elif op.op_type == "Resize" and len(op.input) >= 3:
+            found = graph.transposed(op.input[0])
+            values = graph.constant(op.input[2]) if op.input[2] else None
+            if not found or values is None or (len(op.input) > 3 and op.input[3]):
+                continue
+            perm = found[1]
+            users = graph.consumers[op.output[0]]
+            # A Transpose after an upsample moves four times the bytes: only where it cancels.
+            if not users or any(graph.perm(u) != inverse(perm) for u in users) or op.output[0] in graph.outputs:
+                continue
+
+            def rewire(node, found=found, perm=perm, values=values):
+                moved = numpy_helper.from_array(values[list(inverse(perm))].astype(values.dtype), graph.fresh())
+                graph.g.initializer.append(moved)
+                node.input[0] = found[0].input[0]
+                node.input[2] = moved.name
+
+            changed += _sink(graph, op, [(op.input[0], found[0])], perm, rewire)
+    return changed
+
+
+def cancel_transposes(graph: Graph) -> int:
+    changed = 0
+    for t in [n for n in graph.g.node if graph.perm(n)]:
+        inner = graph.transposed(t.input[0])
+        if not inner or inverse(inner[1]) != graph.perm(t) or t.output[0] in graph.outputs:
+            continue
+        source = inner[0].input[0]
+        for user in graph.consumers[t.output[0]]:
+            for k, name in enumerate(user.input):
+                if name == t.output[0]:
+                    user.input[k] = source
+        changed += 1
+        graph.reindex()
+    return changed
+
+
+def dedupe_transposes(graph: Graph) -> int:
+    changed = 0
+    seen: dict[tuple, str] = {}
+    for t in [n for n in graph.g.node if graph.perm(n)]:
+        key = (t.input[0], graph.perm(t))
+        if key not in seen:
+            seen[key] = t.output[0]
+            continue
+        if t.output[0] in graph.outputs:
+            continue
+        for user in graph.consumers[t.output[0]]:
+            for k, name in enumerate(user.input):
+                if name == t.output[0]:
+                    user.input[k] = seen[key]
+        changed += 1
+    graph.reindex()
+    return changed
+
+
+PASSES = {"shapes": transposes_of_shapes, "sink": sink_transposes, "cancel": cancel_transposes,
+          "dedupe": dedupe_transposes}
+
+
+def optimize(model: ModelProto, passes: list[str]) -> dict:
+    """Runs the named passes in turn until none changes anything; returns the changes per pass
+    and the Transposes before and after."""
+    graph = Graph(model)
+    before = sum(1 for n in graph.g.node if graph.perm(n))
+    counts = collections.Counter()
+    for _ in range(50):
+        round_changes = 0
+        for name in passes:
+            n = PASSES[name](graph)
+            counts[name] += n
+            round_changes += n
+        counts["removed_dead"] += graph.remove_dead()
+        if not round_changes:
+            break
+    after = sum(1 for n in graph.g.node if graph.perm(n))
+    return {"transposes_before": before, "transposes_after": after, **counts}

@@ -1,0 +1,231 @@
+"""Rewrites a UNet graph with onnx/graph_passes.py, and times the rewrites against the original.
+
+    python onnx/tune_unet.py rewrite SRC.onnx DST.onnx [--passes shapes,sink,cancel,dedupe]
+    python onnx/tune_unet.py time --model /root/sdxl/unet/model.onnx --out /root/results/tune.json \\
+        [--variants shapes,all] [--batch 2] [--size 1024] [--cuda-option KEY=VALUE ...]
+    python onnx/tune_unet.py selftest
+
+rewrite: the graph only; DST beside SRC keeps pointing at SRC's external weights file (the fused
+SDXL UNet's 5 GB stay where they are), DST elsewhere gets the weights inline or, over 2 GB, in
+its own model.onnx_data.
+
+time: each variant is written beside the model as model-tune-VARIANT.onnx, loaded in a session of
+its own next to the original's, and the two are called in alternation (ten rounds of --iters
+calls each, so drift hits both alike) on the same inputs; reported: each one's median, the ratio,
+and how far the outputs are apart (max |a - b| and ||a - b|| / ||a||: an exact rewrite gives 0, or
+a rounding's worth where a kernel sums in another order). Variants: a pass name, or `all` (every
+pass). A variant is worth keeping where it is faster by more than the two originals' spread and
+the outputs agree.
+
+selftest: a graph of standard ops with the fused UNet's layout borders (Transposes around Add,
+Concat, Resize and Shape) is rewritten and run on the CPU before and after: the outputs must be
+equal and the Transposes fewer. The Rust test consumer/tests/pipeline_rewritten.rs runs it, and
+renders the tiny fixture through a rewritten UNet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import graph_passes  # noqa: E402
+
+ALL = ["shapes", "sink", "cancel", "dedupe"]
+EXTERNAL_DATA_THRESHOLD = 1_900_000_000
+
+
+def passes_of(variant: str) -> list[str]:
+    names = ALL if variant == "all" else variant.split("+")
+    unknown = [n for n in names if n not in graph_passes.PASSES]
+    if unknown:
+        raise SystemExit(f"unknown pass {unknown}; passes: {', '.join(graph_passes.PASSES)} or all")
+    return names
+
+
+def rewrite(src: Path, dst: Path, passes: list[str]) -> dict:
+    beside = src.resolve().parent == dst.resolve().parent
+    model = onnx.load(str(src), load_external_data=not beside)
+    t = time.time()
+    report = graph_passes.optimize(model, passes)
+    report["seconds"] = round(time.time() - t, 2)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    size = sum(len(x.raw_data) for x in model.graph.initializer)
+    if not beside and size > EXTERNAL_DATA_THRESHOLD:
+        onnx.save_model(model, str(dst), save_as_external_data=True, all_tensors_to_one_file=True,
+                        location=dst.name + "_data", size_threshold=1024)
+    else:
+        onnx.save_model(model, str(dst))
+    return report
+
+
+# ---------------------------------------------------------------------------------------------
+# Timing on the GPU
+# ---------------------------------------------------------------------------------------------
+
+def time_variants(args) -> dict:
+    from profile_unet import bind, session
+
+    cuda_options = dict(kv.split("=", 1) for kv in args.cuda_option)
+    model = Path(args.model)
+    doc = {"model": str(model), "batch": args.batch, "size": args.size, "cuda_options": cuda_options, "variants": []}
+    base = session(str(model), args.device, cuda_options, None)
+    base_call, base_keep = bind(base, args.batch, args.size, args.device)
+    for _ in range(args.warmup):
+        base_call()
+    reference = [o.numpy() for o in base_keep if o.is_tensor()][-1].astype(np.float32)
+    for variant in args.variants.split(","):
+        row: dict = {"variant": variant, "status": "error"}
+        doc["variants"].append(row)
+        try:
+            path = model.with_name(f"model-tune-{variant.replace('+', '_')}.onnx")
+            row["rewrite"] = rewrite(model, path, passes_of(variant))
+            sess = session(str(path), args.device, cuda_options, None)
+            call, keep = bind(sess, args.batch, args.size, args.device)
+            for _ in range(args.warmup):
+                call()
+            out = [o.numpy() for o in keep if o.is_tensor()][-1].astype(np.float32)
+            diff = np.abs(out - reference)
+            row["max_abs_diff"] = float(diff.max())
+            row["rel_l2_diff"] = float(np.linalg.norm(out - reference) / max(np.linalg.norm(reference), 1e-12))
+            row["finite"] = bool(np.isfinite(out).all())
+            times = {"original": [], "variant": []}
+            for _ in range(args.rounds):
+                times["original"] += [base_call() for _ in range(args.iters)]
+                times["variant"] += [call() for _ in range(args.iters)]
+            row["original_ms"] = round(statistics.median(times["original"]), 3)
+            row["variant_ms"] = round(statistics.median(times["variant"]), 3)
+            row["speedup"] = round(row["original_ms"] / row["variant_ms"], 4)
+            row["status"] = "ok"
+            del sess, keep
+            path.unlink(missing_ok=True)
+        except Exception as e:  # noqa: BLE001 - one variant's failure is its row, the next one runs
+            row["error"] = f"{type(e).__name__}: {e}"[:800]
+        print(json.dumps(row), flush=True)
+        Path(args.out).write_text(json.dumps(doc, indent=1))
+    return doc
+
+
+# ---------------------------------------------------------------------------------------------
+# Self-test on the CPU
+# ---------------------------------------------------------------------------------------------
+
+def border_graph() -> onnx.ModelProto:
+    """NCHW input -> an 'NHWC op' (Sigmoid standing in for GroupNorm/NhwcConv) between Transposes,
+    as the fused UNet has them: a residual Add of two transposed results, a Concat of transposed
+    tensors feeding two NHWC consumers, an upsampling Resize whose scales come through a Cast, a
+    Shape of a transposed tensor used for a Reshape."""
+    to_nhwc, to_nchw = [0, 2, 3, 1], [0, 3, 1, 2]
+    n = []
+
+    def t(src, dst, perm):
+        n.append(helper.make_node("Transpose", [src], [dst], perm=perm))
+
+    t("x", "x_h", to_nhwc)
+    n.append(helper.make_node("Sigmoid", ["x_h"], ["a_h"]))          # NHWC op
+    n.append(helper.make_node("Tanh", ["x_h"], ["b_h"]))             # another
+    t("a_h", "a", to_nchw)
+    t("b_h", "b", to_nchw)
+    n.append(helper.make_node("Add", ["a", "b"], ["res"]))          # residual in NCHW
+    t("res", "res_s", [0, 1, 2, 3])                                  # identity perm: left alone
+    n.append(helper.make_node("Shape", ["a"], ["shape_a"]))          # size of a transposed tensor
+    n.append(helper.make_node("Concat", ["res", "a"], ["cat"], axis=1))
+    t("cat", "cat_h1", to_nhwc)
+    t("cat", "cat_h2", to_nhwc)
+    n.append(helper.make_node("Sigmoid", ["cat_h1"], ["c1_h"]))
+    n.append(helper.make_node("Neg", ["cat_h2"], ["c2_h"]))
+    n.append(helper.make_node("Add", ["c1_h", "c2_h"], ["c_h"]))
+    t("c_h", "c", to_nchw)
+    n.append(helper.make_node("Constant", [], ["scales16"], value=numpy_helper.from_array(
+        np.array([1, 1, 2, 2], dtype=np.float16))))
+    n.append(helper.make_node("Cast", ["scales16"], ["scales"], to=TensorProto.FLOAT))
+    n.append(helper.make_node("Resize", ["c", "", "scales"], ["up"], mode="nearest"))
+    t("up", "up_h", to_nhwc)
+    n.append(helper.make_node("Sigmoid", ["up_h"], ["y_h"]))
+    t("y_h", "y", to_nchw)
+    n.append(helper.make_node("Reshape", ["res_s", "shape_a"], ["z"]))
+    graph = helper.make_graph(
+        n, "borders",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 8, 4, 6])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", "c", "h", "w"]),
+         helper.make_tensor_value_info("z", TensorProto.FLOAT, [2, 8, 4, 6])])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def selftest() -> None:
+    import onnxruntime as ort
+
+    model = border_graph()
+    onnx.checker.check_model(model)
+    x = np.random.default_rng(0).standard_normal((2, 8, 4, 6)).astype(np.float32)
+
+    def run(m):
+        sess = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+        return sess.run(None, {"x": x})
+
+    before = run(model)
+    rewritten = onnx.ModelProto()
+    rewritten.CopyFrom(model)
+    report = graph_passes.optimize(rewritten, ALL)
+    onnx.checker.check_model(rewritten)
+    after = run(rewritten)
+    for name, a, b in zip(("y", "z"), before, after):
+        if a.shape != b.shape or not np.array_equal(a, b):
+            raise SystemExit(f"selftest: output {name} changed: {a.shape} vs {b.shape}, max diff "
+                             f"{np.abs(a - b).max() if a.shape == b.shape else 'n/a'}")
+    # Left: the input's and the output's Transposes, the identity one and the one z needs in NCHW.
+    if report["transposes_after"] > 4 or report["transposes_after"] >= report["transposes_before"]:
+        raise SystemExit(f"selftest: Transposes {report['transposes_before']} -> {report['transposes_after']}: {report}")
+    print(json.dumps({"selftest": "ok", **report}))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="command", required=True)
+    rw = sub.add_parser("rewrite")
+    rw.add_argument("src", type=Path)
+    rw.add_argument("dst", type=Path)
+    rw.add_argument("--passes", default="all", help="comma list of passes, or all")
+    tm = sub.add_parser("time")
+    tm.add_argument("--model", required=True)
+    tm.add_argument("--out", required=True)
+    tm.add_argument("--variants", default="shapes,all")
+    tm.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    tm.add_argument("--batch", type=int, default=2)
+    tm.add_argument("--size", type=int, default=1024)
+    tm.add_argument("--warmup", type=int, default=5)
+    tm.add_argument("--iters", type=int, default=5)
+    tm.add_argument("--rounds", type=int, default=10)
+    tm.add_argument("--cuda-option", action="append", default=[], metavar="KEY=VALUE")
+    sub.add_parser("selftest")
+    args = ap.parse_args()
+    if args.command == "rewrite":
+        passes = ALL if args.passes == "all" else [p for p in args.passes.split(",") if p]
+        for p in passes:
+            passes_of(p)
+        if args.src.resolve() == args.dst.resolve():
+            tmp = args.dst.with_name(args.dst.name + ".tmp")
+            report = rewrite(args.src, tmp, passes)
+            shutil.move(tmp, args.dst)
+        else:
+            report = rewrite(args.src, args.dst, passes)
+        print(json.dumps(report))
+    elif args.command == "time":
+        time_variants(args)
+    else:
+        selftest()
+
+
+if __name__ == "__main__":
+    main()
