@@ -359,8 +359,7 @@ impl Budget {
     pub fn holds_one(&self, width: u32, height: u32, set_bytes: u64) -> Result<bool, ProbeError> {
         let snapshot = self.inner.snapshot()?;
         let plan = self.inner.plan();
-        let room = self.inner.room(&snapshot, &plan).budget + self.inner.line_bytes();
-        Ok(self.inner.planned(&plan, Shape::new(width, height, 1)) + set_bytes <= room)
+        Ok(self.inner.planned(&plan, Shape::new(width, height, 1)) + set_bytes <= self.inner.idle_room(&snapshot, &plan))
     }
 
     /// What a `batch` of `width x height` images is planned to take: the estimate plus `safety`.
@@ -458,14 +457,10 @@ impl Budget {
     ///
     /// The card could not be read.
     pub fn admits_when_idle(&self, classes: &[MemoryClass]) -> Result<Vec<MemoryClass>, ProbeError> {
-        let mut admitted = Vec::new();
-        for &class in classes {
-            let shape = self.class_shape(class);
-            if self.holds_one(shape.width, shape.height, 0)? {
-                admitted.push(class);
-            }
-        }
-        Ok(admitted)
+        let snapshot = self.inner.snapshot()?;
+        let plan = self.inner.plan();
+        let room = self.inner.idle_room(&snapshot, &plan);
+        Ok(classes.iter().copied().filter(|&class| self.inner.planned(&plan, self.class_shape(class)) <= room).collect())
     }
 
     /// The largest one-image shape of `class`: a square of its pixel bound. Admission fetches
@@ -548,6 +543,14 @@ impl Inner {
         };
         let reclaimable = line.reclaimable_bytes();
         Room { reclaimable, ..room(&self.config, snapshot, plan.resident + line.device_bytes(), plan.reserved) }
+    }
+
+    /// The room a render has when this worker holds its models alone: what it holds beyond
+    /// them (jobs in flight, arena cache, the LoRA pool's sets) is given back when it idles, so
+    /// it counts as free; busy or not, the answer is the same. Where the driver does not report
+    /// this process's usage, only what the card has free now can count.
+    fn idle_room(&self, snapshot: &GpuSnapshot, plan: &Plan) -> u64 {
+        room(&self.config, snapshot, plan.resident, u64::MAX).budget
     }
 
     fn line_bytes(&self) -> u64 {
@@ -641,6 +644,29 @@ mod tests {
         // What it holds beyond its reservation (cache of an earlier, larger render) does not.
         *probe.0.lock().unwrap() = card(800 * MIB, 1500 * MIB, true);
         assert_eq!(busy.status().unwrap().budget, 540 * MIB + reservation.bytes());
+    }
+
+    #[test]
+    fn a_busy_worker_admits_when_idle_what_its_card_holds_idle() {
+        // Idle with no cache: 1340 MiB of room beside the other process holds xs..xl (l 646.8,
+        // xl 893.2 MiB planned).
+        let (budget, probe) = budget(card(0, 1500 * MIB, true));
+        assert_eq!(budget.admits_when_idle(MemoryClass::ALL).unwrap(), MemoryClass::ALL);
+        // Busy: a render holds 400 MiB of its 470.8 reserved and the arenas cache 800 MiB more;
+        // the room now is 540 MiB (no xl, no l beside the job), but all of it goes back when the
+        // worker idles, so it still admits every class (and tells the fleet so), and one image
+        // of each still fits the card.
+        let _job = budget.reserve(1024, 1024, 1, 0).unwrap().unwrap();
+        *probe.0.lock().unwrap() = card(1200 * MIB, 1500 * MIB, true);
+        assert!(budget.status().unwrap().available < budget.planned(1536, 1536, 1));
+        assert_eq!(budget.admits_when_idle(MemoryClass::ALL).unwrap(), MemoryClass::ALL);
+        assert!(budget.holds_one(2048, 2048, 0).unwrap());
+        // Our usage unknown: only what is free now can count (396 - 256 margin: no class).
+        *probe.0.lock().unwrap() = card(1200 * MIB, 1500 * MIB, false);
+        assert_eq!(budget.admits_when_idle(MemoryClass::ALL).unwrap(), []);
+        // Another process grew to 2300 MiB: idle, 396 free + our 400 - 256 margin holds xs..m only.
+        *probe.0.lock().unwrap() = card(400 * MIB, 2300 * MIB, true);
+        assert_eq!(budget.admits_when_idle(MemoryClass::ALL).unwrap(), [MemoryClass::Xs, MemoryClass::S, MemoryClass::M]);
     }
 
     #[test]
