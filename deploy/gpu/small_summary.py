@@ -199,13 +199,17 @@ def long(runs: list[dict]) -> dict:
                                         "max_peak_over_planned": 0.0, "max_held_at_start_mib": 0})
             s["renders"] += 1
             s["max_held_at_start_mib"] = max(s["max_held_at_start_mib"], f.get("held_at_start_mib") or 0)
+            s["max_floor_mib"] = max(s.get("max_floor_mib", 0), f.get("floor_mib") or 0)
             error = f.get("error") if isinstance(f.get("error"), (int, float)) else None
             if f.get("cold"):
                 s["cold"] += 1
+            # The need above the floor (what the process keeps outside its arenas) where the
+            # worker logs it, else (before 2026-12-02) the peak above the models.
+            need = f.get("need_mib", f.get("peak_mib")) or 0
             if f.get("planned_mib"):
-                s["max_peak_over_planned"] = max(s["max_peak_over_planned"], (f.get("peak_mib") or 0) / f["planned_mib"])
+                s["max_peak_over_planned"] = max(s["max_peak_over_planned"], need / f["planned_mib"])
                 if error is None:
-                    error = (f.get("peak_mib") or 0) / (f["planned_mib"] / (1 + SAFETY)) - 1
+                    error = need / (f["planned_mib"] / (1 + SAFETY)) - 1
             if error is not None:
                 s["errors"].append(error)
                 if s["first_error"] is None:

@@ -118,7 +118,10 @@ struct Inner {
 /// What the budget has promised.
 struct Plan {
     estimate: Estimate,
+    /// The models and what the process keeps outside its arenas ([`Budget::outside_arenas`]).
     resident: u64,
+    /// The models alone, as measured at load.
+    models: u64,
     reserved: u64,
     in_flight: u32,
 }
@@ -216,7 +219,7 @@ impl Budget {
     ) -> Result<Self, ConfigError> {
         config.validate()?;
         let max_age = Duration::from_millis(config.snapshot_max_age_ms);
-        let plan = Plan { estimate, resident, reserved: 0, in_flight: 0 };
+        let plan = Plan { estimate, resident, models: resident, reserved: 0, in_flight: 0 };
         let inner = Inner { config, probe, max_age, cache: Mutex::new(None), plan: Mutex::new(plan), line: OnceLock::new() };
         Ok(Self { inner: Arc::new(inner) })
     }
@@ -440,9 +443,14 @@ impl Budget {
         self.inner.plan().estimate.clone()
     }
 
-    /// Replaces the resident size, after sessions were rebuilt.
-    pub fn set_resident(&self, bytes: u64) {
-        self.inner.plan().resident = bytes;
+    /// Counts `floor` bytes that the process keeps outside its arenas, above the models
+    /// (kernels the libraries loaded on first use: [`PeakMeter::note_floor`]), as resident from
+    /// now on, the LoRA pool's sets left out (its line counts them). It only grows: a lower
+    /// reading changes nothing.
+    pub fn outside_arenas(&self, floor: u64) {
+        let sets = self.inner.line_bytes();
+        let mut plan = self.inner.plan();
+        plan.resident = plan.resident.max(plan.models + floor.saturating_sub(sets));
     }
 
     /// Makes the next query read the card, not the cached snapshot.
@@ -667,6 +675,20 @@ mod tests {
         // Another process grew to 2300 MiB: idle, 396 free + our 400 - 256 margin holds xs..m only.
         *probe.0.lock().unwrap() = card(400 * MIB, 2300 * MIB, true);
         assert_eq!(budget.admits_when_idle(MemoryClass::ALL).unwrap(), [MemoryClass::Xs, MemoryClass::S, MemoryClass::M]);
+    }
+
+    #[test]
+    fn what_the_process_keeps_outside_its_arenas_counts_beside_the_models() {
+        // Kernels loaded since the models: 300 MiB that no shrink gives back.
+        let (budget, _) = budget(card(300 * MIB, 0, true));
+        let before = budget.status().unwrap();
+        budget.outside_arenas(300 * MIB);
+        let after = budget.status().unwrap();
+        assert_eq!(after.resident, RESIDENT + 300 * MIB);
+        assert_eq!(before.budget - after.budget, 300 * MIB, "the card's cap holds them now");
+        // A lower reading (taken with less loaded, or a LoRA set counted by its line) changes nothing.
+        budget.outside_arenas(100 * MIB);
+        assert_eq!(budget.status().unwrap().resident, RESIDENT + 300 * MIB);
     }
 
     #[test]

@@ -67,6 +67,14 @@ pub trait GpuProbe: Send + Sync {
     ///
     /// [`ProbeError::PeakNotStarted`] without a `start_peak`, or the usage could not be read.
     fn peak_since_start(&self) -> Result<u64, ProbeError>;
+
+    /// Whether this probe's usage falls when ONNX Runtime's arenas give their regions back, so
+    /// that what it reads right after a shrink is what the process keeps outside the arenas
+    /// (see [`PeakMeter::note_floor`]). A card's driver memory does (the arena frees it); the
+    /// CPU simulation's resident size does not (the C allocator keeps freed pages for reuse).
+    fn frees_on_shrink(&self) -> bool {
+        true
+    }
 }
 
 /// A GPU could not be read.
@@ -228,32 +236,51 @@ mod tests {
     }
 
     #[test]
+    fn a_need_is_the_peak_above_the_floor_and_trusted_from_shrunk_arenas() {
+        // 1.5 GiB outside the arenas (kernels loaded earlier), a 512x512 render adds 0.8.
+        let small = Measured { peak: 2320, held_at_start: 1520 };
+        assert_eq!(small.need_over(1520), (800, true));
+        assert!(!small.need_over(0).1, "above the baseline alone, the held kernels look like a cache");
+        // A cache above the floor: not the render's own.
+        assert_eq!(Measured { peak: 4000, held_at_start: 3000 }.need_over(1520), (2480, false));
+        // A floor read after the render, above its start (it loaded kernels): its peak above that.
+        assert_eq!(Measured { peak: 9154, held_at_start: 802 }.need_over(1390), (7764, true));
+    }
+
+    #[test]
     fn a_render_is_cold_when_little_was_held_at_its_start() {
+        let cold = |m: Measured| m.need_over(0).1;
         // Arenas shrunk back to the models: the peak is the render's own.
-        assert!(Measured { peak: 6660, held_at_start: 0 }.cold());
-        assert!(Measured { peak: 6660, held_at_start: 300 }.cold());
+        assert!(cold(Measured { peak: 6660, held_at_start: 0 }));
+        assert!(cold(Measured { peak: 6660, held_at_start: 300 }));
         // A larger job's cache still held: the peak says nothing about this shape.
-        assert!(!Measured { peak: 16726, held_at_start: 9000 }.cold());
-        assert!(!Measured { peak: 0, held_at_start: 1 }.cold());
+        assert!(!cold(Measured { peak: 16726, held_at_start: 9000 }));
+        assert!(!cold(Measured { peak: 0, held_at_start: 1 }));
         // A 5.44 GiB LoRA set on the device through a render is not the render's.
         let with_set = Measured { peak: 5570 + 6660, held_at_start: 5570 + 300 };
-        assert!(!with_set.cold());
+        assert!(!cold(with_set));
         assert_eq!(with_set.less_held(5570), Measured { peak: 6660, held_at_start: 300 });
-        assert!(with_set.less_held(5570).cold());
+        assert!(cold(with_set.less_held(5570)));
     }
 }
 
-/// Measures renders against one fixed baseline: the usage right after the models loaded.
+/// Measures renders above a floor: what the process holds with its arenas shrunk.
 ///
 /// A [`PeakWindow`] sees only growth, and an arena reuses what it already holds, so a render
-/// that fits in memory cached by an earlier one looks free. Measured from the post-load
-/// baseline instead, a render's peak is everything it needed above the models, cached or not:
-/// exact when the render starts from arenas shrunk back to the models (probe renders and
-/// budget checks do), an upper bound otherwise (a cache left by a larger job counts), which
-/// [`Measured::cold`] tells apart.
+/// that fits in memory cached by an earlier one looks free. A render that starts from arenas
+/// shrunk back to nothing needs what it adds above the process's usage at that point, the
+/// floor: the models and what the libraries keep outside the arenas once they have loaded
+/// them, which grows as new kernels are first used (CUDA modules, cuDNN's runtime-compiled
+/// kernels per shape: 0.8 GiB after an H200's first probes, 2 GiB after a thousand mixed jobs,
+/// 2026-12-02). A render that loads such kernels leaves the floor higher, so the floor is read
+/// again after it (`note_floor`, right after a shrink) and its need is its peak above that. The
+/// floor starts at the post-load baseline; where the probe's usage does not fall on a shrink
+/// ([`GpuProbe::frees_on_shrink`]) it stays there.
 pub struct PeakMeter {
     probe: std::sync::Arc<dyn GpuProbe>,
     baseline: u64,
+    /// Bytes above the baseline at the last reading with shrunk arenas.
+    floor: std::sync::atomic::AtomicU64,
 }
 
 /// One measured render, bytes above the post-load baseline.
@@ -266,10 +293,13 @@ pub struct Measured {
 }
 
 impl Measured {
-    /// Whether the render started from (nearly) shrunk arenas, so `peak` is its own need: what
-    /// was held at the start is under 1/20 of the peak.
-    pub fn cold(&self) -> bool {
-        self.held_at_start.saturating_mul(20) <= self.peak
+    /// The render's own need above `floor` (bytes above the baseline, from
+    /// [`PeakMeter::floor`]), and whether it can be trusted: the render started from (nearly)
+    /// shrunk arenas, what it held above the floor then under 1/20 of the need. One that
+    /// started beside a larger job's cache reads that cache too.
+    pub fn need_over(&self, floor: u64) -> (u64, bool) {
+        let need = self.peak.saturating_sub(floor);
+        (need, self.held_at_start.saturating_sub(floor).saturating_mul(20) <= need)
     }
 
     /// The measurement without `bytes` that something else held on the device through the
@@ -288,7 +318,30 @@ impl PeakMeter {
     pub fn new(probe: std::sync::Arc<dyn GpuProbe>) -> Result<Self, ProbeError> {
         let baseline = probe.start_peak()?;
         probe.peak_since_start()?;
-        Ok(Self { probe, baseline })
+        Ok(Self { probe, baseline, floor: std::sync::atomic::AtomicU64::new(0) })
+    }
+
+    /// The floor renders are measured from, bytes above the post-load baseline.
+    pub fn floor(&self) -> u64 {
+        self.floor.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Reads the process right after its arenas were shrunk: that usage is the new floor
+    /// (returned, bytes above the baseline). Call it only with every arena shrunk and nothing
+    /// rendering.
+    ///
+    /// # Errors
+    ///
+    /// The usage could not be read.
+    pub fn note_floor(&self) -> Result<u64, ProbeError> {
+        if !self.probe.frees_on_shrink() {
+            return Ok(self.floor());
+        }
+        let now = self.probe.start_peak()?;
+        self.probe.peak_since_start()?;
+        let floor = now.saturating_sub(self.baseline);
+        self.floor.store(floor, std::sync::atomic::Ordering::Relaxed);
+        Ok(floor)
     }
 
     /// Runs `work` once and returns its output with its measurement, or why the peak could not

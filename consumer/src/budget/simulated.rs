@@ -101,6 +101,12 @@ impl GpuProbe for SimulatedGpu {
             Some(Peak::Sampled(sampler)) => Ok(sampler.finish()),
         }
     }
+
+    /// The resident size keeps the pages a shrunk CPU arena freed (the C allocator holds them
+    /// for reuse), so it says nothing of what the process keeps outside its arenas.
+    fn frees_on_shrink(&self) -> bool {
+        false
+    }
 }
 
 /// This process's resident memory, bytes.

@@ -40,9 +40,10 @@ pub(crate) async fn calibrate(
             log_skip(shape, skipped);
             continue;
         }
-        match probe_render(pipeline, meter, shape, config.calibration.steps).await? {
+        match probe_render(pipeline, meter, shape, config.calibration.steps, config.calibration.cold).await? {
             Ok(render) => {
-                info!(width = w, height = h, images = n, peak_mib = render.peak as f64 / budget::MIB as f64, "probe render");
+                let mib = |bytes: u64| bytes as f64 / budget::MIB as f64;
+                info!(width = w, height = h, images = n, peak_mib = mib(render.peak), above_models_mib = mib(render.above_models), floor_mib = mib(render.floor), "probe render");
                 calibration.measured(shape, render.peak);
             }
             Err(error) if classify_render(&error) == ErrorKind::Oom => {

@@ -25,10 +25,12 @@ pub struct CheckedShape {
     pub predicted_mib: f64,
     /// What admission reserves: the need plus `[budget] safety`.
     pub planned_mib: f64,
+    /// The render's need: its peak above the floor, what the process keeps outside its arenas
+    /// once they are shrunk after it (the kernels this render loaded included in the floor).
     pub observed_mib: f64,
     /// `(observed - predicted) / predicted`: above 0 the estimate ran low.
     pub error: f64,
-    /// The peak of a second render from shrunk arenas, the shape now known to every graph. Under
+    /// The need of a second render from shrunk arenas, the shape now known to every graph. Under
     /// `observed_mib` where a shape's first render costs extra (on the H200 1152x896 x 2 by
     /// 2.4-3.4 GiB before its size was probed, new sizes such as 1216x832 by 0.55-0.6 GiB); the
     /// same where it does not (most shapes checked there).

@@ -219,6 +219,7 @@ async fn render_once(
     let set = set.cloned();
     // The pool's sets stay on the device through the render (measured renders run one at a time).
     let sets = shared.loras.device_bytes();
+    let gives_arenas_back = shared.config.budget.cold_renders;
     let outcome = tokio::task::spawn_blocking(move || {
         let steps: Vec<_> = steps.into_iter().collect();
         let render = || {
@@ -228,7 +229,11 @@ async fn render_once(
         match meter {
             Some(meter) => {
                 let (result, peak) = meter.measure(render);
-                (result, peak.ok().map(|measured| measured.less_held(sets)))
+                // Its last runs gave the arenas back: what the process holds now, the kernels
+                // it loaded included, is the floor its need is measured from.
+                let floor = if gives_arenas_back && result.is_ok() { meter.note_floor().ok() } else { None };
+                let floor = floor.unwrap_or_else(|| meter.floor()).saturating_sub(sets);
+                (result, peak.ok().map(|measured| (measured.less_held(sets), floor)))
             }
             None => (render(), None),
         }
@@ -236,8 +241,9 @@ async fn render_once(
     .await;
     let elapsed = started.elapsed();
     let (result, peak) = outcome.map_err(|e| (JobError::transient(format!("render task failed: {e}")), None))?;
-    if let (Ok(_), Some(measured)) = (&result, peak) {
-        learn(shared, job, reservation.shape(), measured);
+    if let (Ok(_), Some((measured, floor))) = (&result, peak) {
+        shared.budget.outside_arenas(floor);
+        learn(shared, job, reservation.shape(), measured, floor);
     }
     drop(reservation);
     telemetry::render_time(SubjectClass::Class(job.class()), elapsed);
@@ -280,20 +286,23 @@ fn kind_of(error: &RenderError) -> JobError {
     JobError::new(kind, detail)
 }
 
-/// Learns from a render's measured peak where it is the render's own: one that started from
-/// arenas an earlier, larger render left full reads their cache too, which says nothing about
-/// this shape (and would plan every later job at the largest size seen).
-fn learn(shared: &Shared, job: &ShotJob, shape: Shape, measured: Measured) {
+/// Learns from a render's need (its peak above `floor`, what the process holds with shrunk
+/// arenas) where it is the render's own: one that started from arenas an earlier, larger
+/// render left full reads their cache too, which says nothing about this shape (and would plan
+/// every later job at the largest size seen).
+fn learn(shared: &Shared, job: &ShotJob, shape: Shape, measured: Measured, floor: u64) {
     let planned = shared.budget.planned(shape.width, shape.height, shape.images);
-    let cold = measured.cold();
-    telemetry::estimate_error(planned, measured.peak, cold);
-    let error = cold.then(|| shared.budget.observe(shape.width, shape.height, shape.images, measured.peak));
+    let (need, cold) = measured.need_over(floor);
+    telemetry::estimate_error(planned, need, cold);
+    let error = cold.then(|| shared.budget.observe(shape.width, shape.height, shape.images, need));
     info!(
         job = %job.job_id,
         width = shape.width,
         height = shape.height,
         images = shape.images,
+        need_mib = need / MIB,
         peak_mib = measured.peak / MIB,
+        floor_mib = floor / MIB,
         held_at_start_mib = measured.held_at_start / MIB,
         planned_mib = planned / MIB,
         error,

@@ -99,6 +99,8 @@ pub async fn prepare(config: &WorkerConfig) -> Result<Ready, WorkerError> {
         }
     };
     let budget = Budget::new(config.budget.clone(), probe.clone(), estimate, resident).map_err(|e| WorkerError::start("configure the budget", e))?;
+    // The budget plans beside the models and what the libraries keep outside the arenas.
+    budget.outside_arenas(meter.floor());
     log_budget(&budget, &config.classes);
     let classes = ClassReport::of(&config.classes, &budget, &calibration).map_err(|e| WorkerError::start("read the GPU", e))?;
     info!(warmup_s = started.elapsed().as_secs_f64(), "worker ready");
@@ -113,7 +115,7 @@ async fn fitness(config: &WorkerConfig, pipeline: &Arc<Pipeline>, meter: &Arc<Pe
     if config.calibration.cold {
         shrink(pipeline).await?;
     }
-    match probe_render(pipeline, meter, Shape::new(w, h, n), config.calibration.steps).await? {
+    match probe_render(pipeline, meter, Shape::new(w, h, n), config.calibration.steps, false).await? {
         Ok(_) => Ok(true),
         Err(error) if crate::failure::classify_render(&error) == crate::failure::ErrorKind::Oom => {
             tracing::warn!(error = %error, "the fitness render ran out of memory; calibrating against the room there is now");
@@ -190,7 +192,7 @@ pub(crate) async fn measure(pipeline: &Arc<Pipeline>, meter: &Arc<PeakMeter>, sh
         shrink(pipeline).await?;
     }
     let what = format!("render a {}x{}x{} probe", shape.width, shape.height, shape.images);
-    probe_render(pipeline, meter, shape, steps).await?.map_err(|e| WorkerError::start(&what, e))
+    probe_render(pipeline, meter, shape, steps, cold).await?.map_err(|e| WorkerError::start(&what, e))
 }
 
 /// Gives every arena's free regions back before (or between) probes (see
@@ -201,7 +203,10 @@ pub(crate) async fn shrink(pipeline: &Arc<Pipeline>) -> Result<(), WorkerError> 
 }
 
 /// One probe render of `shape` from the arenas as they are, and its peak above the models; the
-/// render's own error (out of memory, say) for the caller to judge.
+/// render's own error (out of memory, say) for the caller to judge. With `floor` (a probe that
+/// started from shrunk arenas), the arenas are shrunk again after it and the process read
+/// ([`PeakMeter::note_floor`]): the probe's need is its peak above that floor, without the
+/// kernels it loaded for good, as a later render of the shape needs it.
 ///
 /// # Errors
 /// The outer error: the peak could not be measured.
@@ -210,9 +215,9 @@ pub(crate) async fn probe_render(
     meter: &Arc<PeakMeter>,
     shape: Shape,
     steps: u32,
+    floor: bool,
 ) -> Result<Result<ProbeRender, RenderError>, WorkerError> {
-    let pipeline = pipeline.clone();
-    let meter = meter.clone();
+    let (render_pipeline, render_meter) = (pipeline.clone(), meter.clone());
     let request = RenderRequest {
         prompt: "calibration: a lighthouse on a cliff".into(),
         negative_prompt: Some("blurry".into()),
@@ -225,19 +230,29 @@ pub(crate) async fn probe_render(
         max_batch: shape.images as usize,
     };
     let (rendered, measured) =
-        blocking(move || meter.measure(|| pipeline.render(&request, &mut |_| std::ops::ControlFlow::Continue(())))).await?;
+        blocking(move || render_meter.measure(|| render_pipeline.render(&request, &mut |_| std::ops::ControlFlow::Continue(())))).await?;
     let timings = match rendered {
         Ok(output) => output.timings,
         Err(e) => return Ok(Err(e)),
     };
-    let peak = measured.map_err(|e| WorkerError::start("measure a probe render", e))?.peak;
-    Ok(Ok(ProbeRender { peak, timings }))
+    let measured = measured.map_err(|e| WorkerError::start("measure a probe render", e))?;
+    if floor {
+        shrink(pipeline).await?;
+        meter.note_floor().map_err(|e| WorkerError::start("read the GPU after a probe", e))?;
+    }
+    let floor = meter.floor();
+    Ok(Ok(ProbeRender { peak: measured.need_over(floor).0, above_models: measured.peak, floor, timings }))
 }
 
-/// A probe render's peak memory above the models, bytes, and where its time went.
+/// A probe render's need, bytes (its peak above the floor: see [`PeakMeter`]), and where its
+/// time went.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct ProbeRender {
     pub peak: u64,
+    /// The peak above the post-load baseline, the floor included.
+    pub above_models: u64,
+    /// What the process held outside its arenas after the probe, above the baseline.
+    pub floor: u64,
     pub timings: crate::pipeline::StageTimings,
 }
 
