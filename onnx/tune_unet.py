@@ -9,7 +9,7 @@ rewrite: the graph only; DST beside SRC keeps pointing at SRC's external weights
 SDXL UNet's 5 GB stay where they are), DST elsewhere gets the weights inline or, over 2 GB, in
 its own model.onnx_data.
 
-time: each variant is written beside the model as model-tune-VARIANT.onnx, loaded in a session of
+time: each variant (default conv_bias) is written beside the model as model-tune-VARIANT.onnx, loaded in a session of
 its own next to the original's, and the two are called in alternation (ten rounds of --iters
 calls each, so drift hits both alike) on the same inputs; reported: each one's median, the ratio,
 and how far the outputs are apart (max |a - b| and ||a - b|| / ||a||: an exact rewrite gives 0, or
@@ -19,7 +19,8 @@ the outputs agree.
 
 selftest: a graph of standard ops with the fused UNet's layout borders (Transposes around Add,
 Concat, Resize and Shape) is rewritten and run on the CPU before and after: the outputs must be
-equal and the Transposes fewer. The Rust test consumer/tests/pipeline_rewritten.rs runs it, and
+equal and the Transposes fewer; and a graph of NhwcConvs feeding a SkipGroupNorm (CUDA-only ops,
+checked by structure) has the convolutions' biases summed into the group norm's. The Rust test consumer/tests/pipeline_rewritten.rs runs it, and
 renders the tiny fixture through a rewritten UNet.
 """
 
@@ -58,7 +59,7 @@ def rewrite(src: Path, dst: Path, passes: list[str]) -> dict:
     beside = src.resolve().parent == dst.resolve().parent
     model = onnx.load(str(src), load_external_data=not beside)
     t = time.time()
-    report = graph_passes.optimize(model, passes)
+    report = graph_passes.optimize(model, passes, str(src.resolve().parent))
     report["seconds"] = round(time.time() - t, 2)
     dst.parent.mkdir(parents=True, exist_ok=True)
     size = sum(len(x.raw_data) for x in model.graph.initializer)
@@ -163,6 +164,48 @@ def border_graph() -> onnx.ModelProto:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
 
 
+def conv_bias_graph() -> onnx.ModelProto:
+    """Two NhwcConvs (contrib ops, CUDA only: checked by structure, not run) whose outputs are a
+    SkipGroupNorm's X and skip, the group norm already with a bias; a third conv also feeds a
+    Transpose, so it keeps its bias."""
+    c = 4
+
+    def init(name, values):
+        return numpy_helper.from_array(np.asarray(values, dtype=np.float16), name)
+
+    inits = [init("w", np.ones((c, 1, 1, c))), init("b1", [1, 2, 3, 4]), init("b2", [10, 20, 30, 40]),
+             init("b3", [5, 5, 5, 5]), init("gamma", np.ones(c)), init("beta", np.zeros(c)), init("sgn_bias", [100] * c)]
+    ms = "com.microsoft"
+    n = [helper.make_node("NhwcConv", ["x", "w", "b1"], ["c1"], domain=ms),
+         helper.make_node("NhwcConv", ["x", "w", "b2"], ["c2"], domain=ms),
+         helper.make_node("NhwcConv", ["x", "w", "b3"], ["c3"], domain=ms),
+         helper.make_node("SkipGroupNorm", ["c1", "gamma", "beta", "c2", "sgn_bias"], ["y"], domain=ms, groups=2,
+                          activation=0, epsilon=1e-5, channels_last=1),
+         helper.make_node("SkipGroupNorm", ["c3", "gamma", "beta", "c3"], ["y3"], domain=ms, groups=2, activation=0,
+                          epsilon=1e-5, channels_last=1),
+         helper.make_node("Transpose", ["c3"], ["c3_t"], perm=[0, 3, 1, 2])]
+    vi = lambda name: helper.make_tensor_value_info(name, TensorProto.FLOAT16, [1, 2, 2, c])  # noqa: E731
+    graph = helper.make_graph(n, "conv_bias", [vi("x")], [vi("y"), vi("y3"), vi("c3_t")], initializer=inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(ms, 1)], ir_version=8)
+
+
+def check_conv_bias_fold() -> dict:
+    model = conv_bias_graph()
+    report = graph_passes.optimize(model, ["conv_bias"])
+    nodes = {n.output[0]: n for n in model.graph.node}
+    values = {t.name: numpy_helper.to_array(t).astype(np.float32).tolist() for t in model.graph.initializer}
+    problems = []
+    if len(nodes["c1"].input) != 2 or len(nodes["c2"].input) != 2:
+        problems.append("the convs feeding only the group norm kept their bias")
+    if values.get(nodes["y"].input[4]) != [111.0, 122.0, 133.0, 144.0]:
+        problems.append(f"the group norm's bias is {values.get(nodes['y'].input[4])}, not b1 + b2 + its own")
+    if len(nodes["c3"].input) != 3 or len(nodes["y3"].input) > 4:
+        problems.append("a conv whose output another op reads lost its bias")
+    if problems or report.get("conv_bias") != 2:
+        raise SystemExit(f"selftest (conv bias): {problems} {report}")
+    return report
+
+
 def selftest() -> None:
     import onnxruntime as ort
 
@@ -187,7 +230,7 @@ def selftest() -> None:
     # Left: the input's and the output's Transposes, the identity one and the one z needs in NCHW.
     if report["transposes_after"] > 4 or report["transposes_after"] >= report["transposes_before"]:
         raise SystemExit(f"selftest: Transposes {report['transposes_before']} -> {report['transposes_after']}: {report}")
-    print(json.dumps({"selftest": "ok", **report}))
+    print(json.dumps({"selftest": "ok", **report, "conv_bias": check_conv_bias_fold()}))
 
 
 def main() -> None:
@@ -200,7 +243,7 @@ def main() -> None:
     tm = sub.add_parser("time")
     tm.add_argument("--model", required=True)
     tm.add_argument("--out", required=True)
-    tm.add_argument("--variants", default="shapes,all")
+    tm.add_argument("--variants", default="conv_bias")
     tm.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     tm.add_argument("--batch", type=int, default=2)
     tm.add_argument("--size", type=int, default=1024)
