@@ -76,6 +76,14 @@ fn invalid_requests_are_refused_before_any_work() {
         assert!(matches!(err, RenderError::InvalidRequest(_)), "{err}");
         assert!(err.message().is_none(), "not an ONNX Runtime error");
     }
+    // A multiple of 8 that the UNet cannot halve and double back (72 / 8 = 9 latent elements;
+    // the tiny UNet halves once): refused with the multiple and a size near it, instead of
+    // failing inside ONNX Runtime at the up block's Concat on every attempt.
+    assert_eq!(pipeline.info().side_multiple, 16);
+    let err = pipeline.render(&RenderRequest { width: 72, height: 64, ..request(vec![0], 1) }, &mut go).unwrap_err();
+    assert!(matches!(err, RenderError::InvalidRequest(_)), "{err}");
+    let message = err.to_string();
+    assert!(message.contains("multiples of 16") && message.contains("64x64"), "{message}");
 }
 
 #[test]

@@ -309,8 +309,11 @@ pub struct ModelInfo {
     /// The UNet's linear weights packed into a few bits (`onnx/quantize_unet.py`), if they are.
     pub unet_packed: Option<PackedWeights>,
     pub latent_channels: usize,
-    /// Pixels per latent element along a side (8 for SDXL); sizes must be multiples of it.
+    /// Pixels per latent element along a side (8 for SDXL).
     pub vae_scale_factor: u32,
+    /// What an image's sides must be multiples of: the VAE's factor times what the UNet's
+    /// down blocks need of a latent side (32 for SDXL, 16 for the tiny fixture).
+    pub side_multiple: u32,
     /// ONNX Runtime's version as the library reports it.
     pub ort_version: String,
     pub device: Device,
@@ -404,6 +407,7 @@ impl Pipeline {
             unet_packed: config.unet_packed,
             latent_channels,
             vae_scale_factor: config.vae_scale_factor,
+            side_multiple: config.vae_scale_factor * config.unet_side_multiple,
             ort_version,
             device: options.device.clone(),
         };
@@ -764,9 +768,18 @@ impl Pipeline {
     /// Checks a request against the model; returns the latent height and width.
     fn validate(&self, req: &RenderRequest, control: &RenderControl) -> Result<(usize, usize), RenderError> {
         let f = self.info.vae_scale_factor;
+        let m = self.info.side_multiple;
         let invalid = |s: String| Err(RenderError::InvalidRequest(s));
-        if req.width == 0 || req.height == 0 || !req.width.is_multiple_of(f) || !req.height.is_multiple_of(f) {
-            return invalid(format!("size {}x{} is not a positive multiple of {f}", req.width, req.height));
+        if req.width == 0 || req.height == 0 || !req.width.is_multiple_of(m) || !req.height.is_multiple_of(m) {
+            let near = |side: u32| (side / m * m).max(m);
+            return invalid(format!(
+                "size {}x{}: this model renders sides that are multiples of {m} ({f} pixels a latent element, and its UNet halves the latent {} times), e.g. {}x{}",
+                req.width,
+                req.height,
+                (m / f).trailing_zeros(),
+                near(req.width),
+                near(req.height)
+            ));
         }
         if req.steps == 0 {
             return invalid("steps must be at least 1".into());

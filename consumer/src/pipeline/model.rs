@@ -54,6 +54,14 @@ struct VaeConfig {
     force_upcast: bool,
 }
 
+/// `unet/config.json`: diffusers' `UNet2DConditionModel` halves the latent in every down block
+/// but the last, and its exported upsamplers double it back (a fixed factor of 2, not the skip
+/// connection's size), so a latent side must be a multiple of 2^(blocks - 1).
+#[derive(Debug, Deserialize)]
+struct UnetConfig {
+    block_out_channels: Vec<u32>,
+}
+
 /// diffusers' `AutoencoderKL` default; SDXL's config says 0.13025.
 /// `unet/quantization.json` (written by `onnx/quantize_unet.py`): the UNet's linear weights are
 /// packed into a few bits (ONNX Runtime's MatMulNBits). Absent for a float UNet.
@@ -95,6 +103,9 @@ pub(crate) struct FolderConfig {
     pub vae_scaling_factor: f32,
     /// Pixels per latent element along each side: 2^(VAE blocks - 1).
     pub vae_scale_factor: u32,
+    /// What a latent side must be a multiple of for the UNet: 2^(UNet blocks - 1) (4 for SDXL,
+    /// so its images' sides are multiples of 32).
+    pub unet_side_multiple: u32,
     pub vae_latent_channels: Option<usize>,
     /// The VAE needs float32 (`force_upcast`): a float16 decoder of it is refused at load.
     pub vae_force_upcast: bool,
@@ -141,6 +152,11 @@ impl FolderConfig {
                 detail: "scaling_factor must be positive and block_out_channels non-empty".into(),
             });
         }
+        let unet_path = dir.join("unet/config.json");
+        let unet: UnetConfig = read_json(&unet_path)?;
+        if unet.block_out_channels.is_empty() || unet.block_out_channels.len() > 8 {
+            return Err(LoadError::Invalid { path: unet_path, detail: "block_out_channels must list 1 to 8 blocks".into() });
+        }
         let te1: TextEncoderConfig = read_json(&dir.join("text_encoder/config.json"))?;
         let te2: TextEncoderConfig = read_json(&dir.join("text_encoder_2/config.json"))?;
         let unet_packed = read_quantization(&dir.join(UNET_QUANTIZATION))?;
@@ -156,6 +172,7 @@ impl FolderConfig {
             scheduler,
             vae_scaling_factor: vae.scaling_factor,
             vae_scale_factor: 1 << (vae.block_out_channels.len() - 1),
+            unet_side_multiple: 1 << (unet.block_out_channels.len() - 1),
             vae_latent_channels: vae.latent_channels,
             vae_force_upcast: vae.force_upcast,
             text_encoder_vocab: te1.vocab_size,
