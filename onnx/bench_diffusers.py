@@ -76,12 +76,14 @@ def build_pipeline(args):
     return pipe
 
 
-def make_compiled(pipe, args) -> dict:
-    """Applies the compiled-mode changes in place; returns what was done."""
+def make_compiled(pipe, args, dynamic: bool = False) -> dict:
+    """Applies the compiled-mode changes in place; returns what was done. Static shapes unless
+    `dynamic` (torch.compile(dynamic=True): one graph for every size, onnx/bench_storyboard.py)."""
     import torch
 
-    done = {"compile_mode": args.compile_mode, "fullgraph": not args.no_fullgraph}
-    torch._dynamo.config.automatic_dynamic_shapes = False
+    done = {"compile_mode": args.compile_mode, "fullgraph": not args.no_fullgraph, "dynamic": dynamic}
+    if not dynamic:
+        torch._dynamo.config.automatic_dynamic_shapes = False
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 16)
     if not args.no_fuse_qkv:
         pipe.fuse_qkv_projections()
@@ -91,6 +93,8 @@ def make_compiled(pipe, args) -> dict:
         pipe.vae.to(memory_format=torch.channels_last)
         done["channels_last"] = True
     kw = {"mode": None if args.compile_mode == "default" else args.compile_mode, "fullgraph": not args.no_fullgraph}
+    if dynamic:
+        kw["dynamic"] = True
     pipe.unet = torch.compile(pipe.unet, **kw)
     if not args.no_compile_vae:
         pipe.vae.decode = torch.compile(pipe.vae.decode, **kw)

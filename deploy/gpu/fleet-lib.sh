@@ -209,23 +209,36 @@ EOF
 # --no-group) with gpu_sampler.py around it. Always 0: the outcome (exit code, times) is in meta; a
 # worker that died is an error there.
 submit_set() {
-    local key=$1 label=$2 file=$3 timeout=$4 rc=0 sampler
+    submit_begin "$@"
+    submit_end "$1"
+}
+
+# submit_begin KEY LABEL FILE TIMEOUT_S: submit_set's first half, in the background (SUBMIT_PID):
+# the sampler started, the jobs being published and waited for. submit_end KEY waits for it.
+submit_begin() {
+    local key=$1 label=$2 file=$3 timeout=$4
     cp "$file" "$RUN_DIR/jobs-$key.jsonl"
     meta "set_${key}_label" "$label"
     meta "set_${key}_timeout_s" "$timeout"
     python3 "$GPU_SAMPLER" --out "$RUN_DIR/gpu-$key.json" > /dev/null 2>&1 < /dev/null &
-    sampler=$!
-    SAMPLER_PID=$sampler
+    SAMPLER_PID=$!
     sleep 0.3
     log "set $key: $label (submit --wait, timeout ${timeout}s)"
     [ -n "${SUBMIT_FLAGS:-}" ] && meta "set_${key}_flags" "$SUBMIT_FLAGS"
     meta "set_${key}_submit" "$(now)"
     # shellcheck disable=SC2086 # SUBMIT_FLAGS: words
     "$BIN_DIR/shotfleet" submit "$RUN_DIR/jobs-$key.jsonl" ${SUBMIT_FLAGS:-} --wait --timeout "${timeout}s" \
-        > "$RUN_DIR/submit-$key.txt" 2>&1 < /dev/null || rc=$?
+        > "$RUN_DIR/submit-$key.txt" 2>&1 < /dev/null &
+    SUBMIT_PID=$!
+}
+
+submit_end() {  # KEY
+    local key=$1 rc=0
+    wait "$SUBMIT_PID" || rc=$?
+    SUBMIT_PID=''
     meta "set_${key}_end" "$(now)"
     meta "set_${key}_rc" "$rc"
-    stop_pid "$sampler" TERM 3
+    stop_pid "$SAMPLER_PID" TERM 3
     SAMPLER_PID=''
     grep -E '^[0-9]+ done, |^queued |^p[0-2]: ' "$RUN_DIR/submit-$key.txt"
     scrape_metrics "set $key"
@@ -291,9 +304,10 @@ hog_stop() {
     HOG_PID=''
 }
 
-# Everything still running, in order: samplers, worker (grace), a run's other workers
+# Everything still running, in order: a set's submit and sampler, worker (grace), a run's other workers
 # (OTHER_WORKER_PIDS), hog, NATS, the stage's sampler.
 stop_all() {
+    stop_pid "$SUBMIT_PID" TERM 3
     stop_pid "$SAMPLER_PID" TERM 3
     SAMPLER_PID=''
     if [ -n "$RUN_DIR" ] && [ -n "$WORKER_PID" ]; then worker_stop; fi
@@ -307,5 +321,5 @@ stop_all() {
 }
 
 # shellcheck disable=SC2034 # RUN_NAME: read by fleet.sh
-RUN_DIR='' RUN_NAME='' NATS_PID='' WORKER_PID='' VRAM_PID='' SAMPLER_PID='' HOG_PID='' METRICS_ADDR='' OTHER_WORKER_PIDS=''
+RUN_DIR='' RUN_NAME='' NATS_PID='' WORKER_PID='' VRAM_PID='' SAMPLER_PID='' SUBMIT_PID='' HOG_PID='' METRICS_ADDR='' OTHER_WORKER_PIDS=''
 HOG_PIDS_MORE='' WORKER_ARGS=()

@@ -3,7 +3,7 @@
 # `lease.sh fleet-budget`): shotfleet-consumer on the GPU with the exported SDXL, fed through a
 # local NATS JetStream, one worker process per run, each with its own config.
 #
-#   bash deploy/gpu/fleet.sh speed|budget|small|see|box|board  (from the repository root; lease.sh sets the variables)
+#   bash deploy/gpu/fleet.sh speed|budget|small|see|box|board|storyboard  (from the repository root; lease.sh sets the variables)
 #   FLEET_DEVICE=cpu FLEET_MODEL=onnx/tiny/model bash deploy/gpu/fleet.sh speed   (a dry run on the CPU)
 #
 # speed -> $RESULTS/fleet-speed.json. Runs, in this order (the deadline trims from the end; a run
@@ -53,6 +53,8 @@
 #
 # box -> $RESULTS/box.json (issue 18, two GPUs: one supervised worker per GPU): the runs one, two,
 # mixed of deploy/gpu/fleet-box.sh (its header).
+# storyboard -> $RESULTS/storyboard.json (issue 17, point 3: the mixed storyboard from a cold worker,
+# the shots onnx/bench_storyboard.py renders through diffusers): deploy/gpu/fleet-storyboard.sh.
 # board -> $RESULTS/lora-board.json (issue 14: 48 shots over 4 LoRA characters, grouped by set vs
 # --no-group, images/s and switches): the runs board, board-small of deploy/gpu/fleet-board.sh (its
 # header); FLEET_MODEL must be prepared for LoRAs (lease.sh fleet-board: $ROOT/sdxl-lora).
@@ -75,7 +77,7 @@ T0=$SECONDS
 export PYTHONUNBUFFERED=1
 
 STAGE=${1:-}
-case "$STAGE" in speed|budget|small|see|box|board) ;; *) sed -n '2,/^set -uo/p' "$0" | sed '$d'; exit 2 ;; esac
+case "$STAGE" in speed|budget|small|see|box|board|storyboard) ;; *) sed -n '2,/^set -uo/p' "$0" | sed '$d'; exit 2 ;; esac
 DEVICE=${FLEET_DEVICE:-${SHOTFLEET_DEVICE:-cuda}}
 case "$DEVICE" in cuda|cpu) ;; *) echo "FLEET_DEVICE must be cuda or cpu, not $DEVICE" >&2; exit 2 ;; esac
 MODEL=${FLEET_MODEL:-${MODEL_DIR:-/root/sdxl}}
@@ -109,6 +111,7 @@ case "$STAGE" in
     see) RUNS=,see, ;;
     box) RUNS=,${FLEET_RUNS:-one,two,mixed}, ;;
     board) RUNS=,${FLEET_RUNS:-board,board-small}, ;;
+    storyboard) RUNS=,storyboard, ;;
 esac
 RESULTS=${RESULTS:-$WORK/results}
 OUT=${OUT:-$RESULTS}
@@ -365,6 +368,8 @@ source "$REPO/deploy/gpu/fleet-small.sh"
 source "$REPO/deploy/gpu/fleet-box.sh"
 # shellcheck source=deploy/gpu/fleet-board.sh
 source "$REPO/deploy/gpu/fleet-board.sh"
+# shellcheck source=deploy/gpu/fleet-storyboard.sh
+source "$REPO/deploy/gpu/fleet-storyboard.sh"
 
 # --- see: progress, cancel mid-render, status --watch, metrics (issue 16) ------------------------
 see_jobs() {  # FILE: the long job, then two behind it
@@ -441,6 +446,7 @@ finish() {
         [ "$STAGE" = small ] && json=$RESULTS/small.json
         [ "$STAGE" = box ] && json=$RESULTS/box.json
         [ "$STAGE" = board ] && json=$RESULTS/lora-board.json
+        [ "$STAGE" = storyboard ] && json=$RESULTS/storyboard.json
         python3 "$REPO/deploy/gpu/fleet_summary.py" "$STAGE" "$STAGE_DIR" --out "$json" \
             --digest "$OUT/fleet-$STAGE.txt" || echo "the summary failed" >&2
     fi
@@ -475,6 +481,7 @@ case "$STAGE" in
     see) stage_see ;;
     box) stage_box ;;
     board) stage_board ;;
+    storyboard) stage_storyboard ;;
 esac
 log "stage $STAGE done"
 exit 0

@@ -485,7 +485,7 @@ def digest(doc: dict) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("stage", choices=("speed", "budget", "small", "box", "board"))
+    ap.add_argument("stage", choices=("speed", "budget", "small", "box", "board", "storyboard"))
     ap.add_argument("dir", type=Path)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--digest", type=Path, default=None)
@@ -519,6 +519,12 @@ def main() -> None:
         halves = [run for n, run in runs.items() if n.startswith("long-") and run.get("status") != "skipped"]
         if halves:
             doc["long"] = small_summary.long(halves)
+    elif args.stage == "storyboard":
+        import storyboard_summary  # noqa: PLC0415 - it imports this module's readers
+
+        runs = {n: run_summary(args.dir / n, vram, meta.get("device")) for n in names}
+        if "storyboard" in runs:
+            doc["storyboard"] = storyboard_summary.fleet(runs["storyboard"])
     elif args.stage == "box":
         import box_summary  # noqa: PLC0415 - it imports this module's readers
 

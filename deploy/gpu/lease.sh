@@ -17,6 +17,8 @@
 #   diffusers-compiled  the same, compiled cells only -> diffusers.json
 #   diffusers-eager     the same, eager cells only -> diffusers-eager.json (report.py prefers its eager
 #                   cells: run it when nothing else runs, i.e. after optimize-wait)
+#   diffusers-storyboard  onnx/bench_storyboard.py: issue 17's mixed storyboard through diffusers, each of
+#                   STORYBOARD_MODES (eager,static,dynamic) from a cold process -> diffusers-storyboard.json
 #   optimize-wait   waits for the background jobs of optimize-start
 #   plain           after export: the plain fp16 UNet (no fusion, onnx/to_fp16.py of the fp32 export) in a
 #                   full model folder of its own, /root/sdxl-plain (the other parts copied from /root/sdxl):
@@ -36,6 +38,8 @@
 #                   FLEET_MODEL naming another folder than /root/sdxl (e.g. /root/sdxl-plain) a fleet
 #                   stage does not wait for the optimizer.
 #   fleet-see       optimize-wait, then `deploy/gpu/fleet.sh see` (issue 16) -> see-the-work.json
+#   fleet-storyboard  optimize-wait, then `deploy/gpu/fleet.sh storyboard` (issue 17: the same storyboard,
+#                   queued, then a cold worker) -> storyboard.json
 #   fleet-box       optimize-wait, then `deploy/gpu/fleet.sh box` (issue 18, two GPUs: one worker on GPU 0,
 #                   then `shotfleet-consumer --gpus all`, then the box under memory pressure; FLEET_RUNS
 #                   picks) -> box.json
@@ -340,6 +344,21 @@ stage_diffusers() {
     return $rc
 }
 
+# The mixed storyboard through diffusers (issue 17, point 3): STORYBOARD_MODES, each mode from a
+# cold process, within what is left of the call.
+stage_diffusers_storyboard() {
+    ort_env
+    local budget extra=()
+    budget=$(min "${STORYBOARD_BUDGET_S:-540}" "$(($(left) - 40))")
+    read -r -a extra <<< "${STORYBOARD_ARGS:-}"
+    log "bench_storyboard.py, modes ${STORYBOARD_MODES:-eager,static,dynamic}, budget $budget s"
+    timeout -k 10 $((budget + 30)) python3 onnx/bench_storyboard.py --modes "${STORYBOARD_MODES:-eager,static,dynamic}" \
+        --out "$RESULTS/diffusers-storyboard.json" --budget-s "$budget" "${extra[@]}" 2>&1 | tee "$RESULTS/diffusers-storyboard.log"
+    local rc=${PIPESTATUS[0]}
+    to_out "$RESULTS/diffusers-storyboard.json"
+    return "$rc"
+}
+
 stage_unet() {
     stage_optimize_wait || return
     ort_env
@@ -451,11 +470,13 @@ run_stage() {
         diffusers) stage_diffusers diffusers "${DIFFUSERS_BUDGET_S:-480}" || rc=$? ;;
         diffusers-compiled) stage_diffusers diffusers "${DIFFUSERS_BUDGET_S:-480}" --compiled-only || rc=$? ;;
         diffusers-eager) stage_diffusers diffusers-eager "${DIFFUSERS_EAGER_BUDGET_S:-150}" --eager-only || rc=$? ;;
+        diffusers-storyboard) stage_diffusers_storyboard || rc=$? ;;
         unet) stage_unet || rc=$? ;;
         fleet-speed) stage_fleet speed || rc=$? ;;
         fleet-budget) stage_fleet budget || rc=$? ;;
         fleet-small) stage_fleet small || rc=$? ;;
         fleet-see) stage_fleet see || rc=$? ;;
+        fleet-storyboard) stage_fleet storyboard || rc=$? ;;
         fleet-box) stage_fleet box || rc=$? ;;
         fleet) { stage_fleet speed && stage_fleet budget; } || rc=$? ;;
         fleet-board) stage_fleet_board || rc=$? ;;

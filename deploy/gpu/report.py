@@ -13,6 +13,8 @@ results.tar.gz, unpacked) landed. It reads what is there, all optional:
   small.json            deploy/gpu/fleet.sh small: shares of the card, two workers on one, 1,000 jobs (small_report.py)
   box.json              deploy/gpu/fleet.sh box: one worker per GPU on two cards (box_report.py)
   unet.json             onnx/bench_unet.py (variants)
+  storyboard.json       deploy/gpu/fleet.sh storyboard: the mixed storyboard from a cold worker
+  diffusers-storyboard.json  onnx/bench_storyboard.py: the same shots through diffusers (eager, static, dynamic)
   stages.jsonl          deploy/gpu/lease.sh (seconds per stage)
 Ratios: a fleet set's images/s (and steady images/s) over diffusers eager, and over compiled, at
 the same images per job/call (batch 1 when that batch was not measured). Standard library only.
@@ -26,6 +28,7 @@ from pathlib import Path
 
 from box_report import box_md
 from small_report import small_md
+from storyboard_summary import storyboard_md
 
 STAGE_KEYS = ("text_ms", "unet_ms", "vae_ms", "png_ms", "upload_ms", "render_ms")
 
@@ -385,6 +388,7 @@ def main() -> None:
     md += small_md(small)
     box = load(d / "box.json")
     md += box_md(box)
+    md += storyboard_md(load(d / "storyboard.json"), load(d / "diffusers-storyboard.json"))
     md += unet_md(unet, steps)
     md += stages_md(stages)
     text = "\n".join(md) + "\n"

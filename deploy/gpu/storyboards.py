@@ -6,6 +6,7 @@
         [--slice 0:500] [--classes xs,s,m --rest REST]
     python3 deploy/gpu/storyboards.py lora-board FILE --run R --set S --jobs 48 --characters a,b,c,d \
         --width 1024 --height 1024 --steps 8
+    python3 deploy/gpu/storyboards.py storyboard FILE --run R --set S --jobs 60 --steps 30 [--scale 8]
 
 uniform: one set of a timed run: the same size, steps and guidance for every job (so a worker
 with batch_jobs > 1 may render them together), distinct seeds and prompts, all p0.
@@ -19,7 +20,10 @@ REST. lora-board: the LoRA storyboard of issue 14 (point 5): --jobs shots over t
 (LoRA names, one each at weight 1), shot i of character i mod N; the first character's shots 0, 4,
 8, 12 are p0 anchors, the last one's shots 3, 7, 11, 15 p2 backfill, the rest p1; in the file in a
 fixed shuffle (stride 7) where neighbours differ in character. Prints one line: jobs, images, and
-the size, priority and class counts (and REST's).
+the size, priority and class counts (and REST's). storyboard: issue 17's mixed storyboard, --jobs
+single-image shots over SDXL's usual sizes (STORYBOARD_SIZES), as many of each, interleaved in a
+fixed shuffle as a storyboard's shots change framing, all p1; onnx/bench_storyboard.py renders the
+same shots (storyboard_shots) through diffusers.
 Standard library only.
 """
 
@@ -49,6 +53,10 @@ MIXED_SIZES = [
 ]
 MIXED_IMAGES = [(1, 4), (2, 3), (3, 2), (4, 2)]
 MIXED_PRIORITIES = [("p0", 2), ("p1", 2), ("p2", 1)]
+
+# SDXL's usual sizes (its training buckets near one megapixel), for the mixed storyboard.
+STORYBOARD_SIZES = [(1024, 1024), (1152, 896), (896, 1152), (1216, 832), (832, 1216)]
+STORYBOARD_SEED = 20261202
 
 # A memory class's largest one-image pixel count, smallest first (schema/src/class.rs); xl above.
 CLASS_MAX_PIXELS = [("xs", 512 * 512), ("s", 768 * 768), ("m", 1024 * 1024), ("l", 1536 * 1536)]
@@ -88,6 +96,23 @@ def pick(rng: random.Random, weighted: list) -> object:
     return rng.choices([v for v, _ in weighted], weights=[w for _, w in weighted])[0]
 
 
+def storyboard_shots(n: int, seed: int = STORYBOARD_SEED) -> list[tuple[int, int, int]]:
+    """n shots as (width, height, seed): the sizes in turn, as many of each (n / 5, the first
+    sizes one more where n does not divide), shuffled with a fixed seed."""
+    rng = random.Random(seed)
+    sizes = [STORYBOARD_SIZES[i % len(STORYBOARD_SIZES)] for i in range(n)]
+    rng.shuffle(sizes)
+    return [(w, h, 5000 + i) for i, (w, h) in enumerate(sizes)]
+
+
+def storyboard(args) -> list[dict]:
+    # Scaled down (the CPU dry run's tiny model), a side stays a multiple of 16, what that
+    # model's UNet needs (SDXL's sizes are multiples of 32 and divide by 8 evenly).
+    side = lambda v: v if args.scale == 1 else max(16, round(v / args.scale / 16) * 16)  # noqa: E731
+    return [job(args.run, args.set, i, side(w), side(h), args.steps, 1, "p1", seed)
+            for i, (w, h, seed) in enumerate(storyboard_shots(args.jobs))]
+
+
 def mixed(args) -> list[dict]:
     rng = random.Random(args.seed)
     jobs = []
@@ -100,7 +125,7 @@ def mixed(args) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("kind", choices=("uniform", "mixed", "lora-board"))
+    ap.add_argument("kind", choices=("uniform", "mixed", "lora-board", "storyboard"))
     ap.add_argument("file")
     ap.add_argument("--run", required=True, help="prefix of the job ids (unique per submission)")
     ap.add_argument("--set", default="a", help="set name, part of the job and shot ids")
@@ -116,7 +141,7 @@ def main() -> None:
     ap.add_argument("--rest", default=None, help="with --classes: where the other jobs go")
     ap.add_argument("--characters", default="char-1,char-2,char-3,char-4", help="lora-board: the LoRA names")
     args = ap.parse_args()
-    jobs = {"uniform": uniform, "mixed": mixed, "lora-board": lora_board}[args.kind](args)
+    jobs = {"uniform": uniform, "mixed": mixed, "lora-board": lora_board, "storyboard": storyboard}[args.kind](args)
     if args.slice:
         start, _, end = args.slice.partition(":")
         jobs = jobs[int(start or 0):int(end) if end else None]

@@ -1,0 +1,49 @@
+# shellcheck shell=bash
+# The mixed storyboard of deploy/gpu/fleet.sh (stage `storyboard`, issue 17, point 3), sourced by
+# fleet.sh after its configs (write_config, calibration, TUNED) and fleet-lib.sh.
+#
+# storyboards.py storyboard: STORY_JOBS (60) single-image shots over SDXL's five usual sizes
+# (1024², 1152x896, 896x1152, 1216x832, 832x1216), interleaved in a fixed shuffle, STORY_STEPS (30)
+# steps, all p1: the shots onnx/bench_storyboard.py renders through diffusers. The jobs are queued
+# first (`shotfleet submit --wait` in the background), then a cold worker starts (empty state
+# folder: no stored calibration), as a worker joins a queue that waits for it: images/s count from
+# the worker's spawn to the last image. The worker is the speed stage's best (concurrency 2,
+# batch_jobs 4, TUNED), calibrated on the five sizes at one image and 1024² x 2 (STORY_CALIBRATION).
+#
+#   storyboard   that run; fleet_summary.py's `storyboard` (storyboard_summary.py): images/s from
+#                the spawn and in steady state (after every size's first image), per size the first
+#                job's render against the later ones', GPU busy over the set
+#
+# The CPU dry run divides every side by 8 (128² .. 152x104) and renders STEPS (8) steps.
+
+STORY_JOBS=${STORY_JOBS:-60}
+STORY_STEPS=${STORY_STEPS:-$STEPS}
+if [ "$DEVICE" = cuda ]; then
+    STORY_CALIBRATION=${STORY_CALIBRATION:-1024x1024x1,1152x896x1,896x1152x1,1216x832x1,832x1216x1,1024x1024x2}
+else
+    # Divided by 8 these are the dry run's shot sizes (storyboards.py rounds to multiples of 16).
+    STORY_CALIBRATION=${STORY_CALIBRATION:-1024x1024x1,1152x896x1,896x1152x1,1280x768x1,768x1280x1,1024x1024x2}
+fi
+
+stage_storyboard() {
+    local name=storyboard timeout
+    wanted "$name" || return 0
+    if [ "$(left)" -lt $((RUN_MIN_S + 60)) ]; then run_skip "$name" "the mixed storyboard" "$(left) s left"; return 0; fi
+    if run_begin "$name" "the mixed storyboard from a cold worker"; then
+        meta top "concurrency = 2;batch_jobs = 4"
+        meta cuda "$(tr '\n' ';' <<< "$TUNED")"
+        write_config "$WORK/$name.toml" $'concurrency = 2\nbatch_jobs = 4' "$(calibration "$STORY_CALIBRATION")"$'\n\n'"$TUNED"
+        python3 "$REPO/deploy/gpu/storyboards.py" storyboard "$WORK/jobs.jsonl" --run "$name" --set m \
+            --jobs "$STORY_JOBS" --steps "$STORY_STEPS" --scale "$SCALE" | tee "$RUN_DIR/storyboard.txt"
+        timeout=$(($(left) - STOP_S - 10))
+        submit_begin m "$STORY_JOBS shots over five sizes, $STORY_STEPS steps, queued before the worker starts" \
+            "$WORK/jobs.jsonl" "$timeout"
+        # Queued before the worker starts: wait until submit has published them all.
+        until grep -q '^queued ' "$RUN_DIR/submit-m.txt" 2> /dev/null || ! kill -0 "$SUBMIT_PID" 2> /dev/null; do
+            sleep 0.2
+        done
+        worker_start "$WORK/$name.toml" || stop_pid "$SUBMIT_PID" TERM 3
+        submit_end m
+    fi
+    run_end
+}

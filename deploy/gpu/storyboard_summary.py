@@ -1,0 +1,93 @@
+"""The storyboard stage's figures (deploy/gpu/fleet-storyboard.sh), for fleet_summary.py's
+storyboard.json, beside bench_storyboard.py's diffusers modes (report.py puts them side by side).
+
+    fleet(run)   images/s from the worker's spawn to the last image (the queue waited for it), in
+                 steady state (after every size's first image), the seconds from the spawn to the
+                 first image, per size the first job's render against the median of its later
+                 ones, GPU busy over the set
+
+Takes fleet_summary.run_summary's dict (with its private _meta, _log and _dir). Standard library only.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+from fleet_summary import fnum, r
+
+
+def fleet(run: dict) -> dict:
+    meta, log, run_dir = run["_meta"], run["_log"], run["_dir"]
+    out = {"name": run["name"], "status": run.get("status"), "warmup_s": run.get("warmup_s"), "error": run.get("error")}
+    if run.get("status") == "skipped":
+        return out | {"note": run.get("note")}
+    jobs_file = run_dir / "jobs-m.jsonl"
+    jobs = {j["job_id"]: j for j in (json.loads(x) for x in jobs_file.read_text().splitlines() if x.strip())} if jobs_file.exists() else {}
+    spawned = fnum(meta, "worker_start")
+    done = sorted((x for x in log.with_message("job done") if x["fields"].get("job") in jobs and x["t"]), key=lambda x: x["t"])
+    if not done or not spawned:
+        return out | {"jobs": len(jobs), "done": len(done)}
+    size = lambda x: "{width}x{height}".format(**jobs[x["fields"]["job"]])  # noqa: E731
+    seen, last_first = {}, 0
+    for k, x in enumerate(done):
+        if size(x) not in seen:
+            seen[size(x)] = x
+            last_first = k
+    images = sum(int(x["fields"].get("images") or 0) for x in done)
+    end = done[-1]["t"]
+    steady = done[last_first + 1:]
+    steady_s = end - done[last_first]["t"]
+    per_size = {}
+    for s, first in seen.items():
+        later = [x["fields"].get("render_ms") for x in done if size(x) == s and x is not first]
+        per_size[s] = {"first_done_after_spawn_s": r(first["t"] - spawned, 2), "first_render_ms": first["fields"].get("render_ms"),
+                       "later_render_ms_median": statistics.median(later) if later else None}
+    sets = {s["key"]: s for s in run.get("sets", [])}
+    m = sets.get("m", {})
+    out.update(
+        jobs=len(jobs), done=len(done), images=images,
+        to_last_image_s=r(end - spawned, 2),
+        images_per_s=r(images / (end - spawned), 4),
+        steady_images=sum(int(x["fields"].get("images") or 0) for x in steady),
+        images_per_s_steady=r(sum(int(x["fields"].get("images") or 0) for x in steady) / steady_s, 4) if steady and steady_s > 0 else None,
+        first_image_after_spawn_s=r(done[0]["t"] - spawned, 2),
+        per_size=per_size,
+        busy_fraction=m.get("busy_fraction"), stage_ms_median=m.get("stage_ms_median"), tally=m.get("tally"),
+        submit_rc=m.get("submit_rc"))
+    return out
+
+
+def storyboard_md(fleet_doc: dict | None, diffusers: dict | None) -> list[str]:
+    """report.md's section: the fleet's cold run against each diffusers mode, from process start
+    and in steady state (ratios to the best diffusers mode of each)."""
+    if not fleet_doc and not diffusers:
+        return []
+    rows = []
+    for mode, d in ((diffusers or {}).get("modes") or {}).items():
+        rows.append({"system": f"diffusers {mode}", **{k: d.get(k) for k in ("shots", "images_per_s", "images_per_s_steady", "first_image_s", "to_last_image_s", "per_size", "status")}})
+    f = (fleet_doc or {}).get("storyboard")
+    if f:
+        rows.append({"system": "shotfleet (cold worker)", "shots": f.get("done"), "images_per_s": f.get("images_per_s"),
+                     "images_per_s_steady": f.get("images_per_s_steady"), "first_image_s": f.get("first_image_after_spawn_s"),
+                     "to_last_image_s": f.get("to_last_image_s"), "per_size": f.get("per_size"), "status": f.get("status")})
+    best = lambda key: max((x[key] for x in rows if x["system"].startswith("diffusers") and x.get(key)), default=None)  # noqa: E731
+    best_cold, best_steady = best("images_per_s"), best("images_per_s_steady")
+    out = ["## The mixed storyboard (issue 17, point 3)", "",
+           "| system | shots | images/s from process start | x best diffusers | steady images/s | x best diffusers | first image s | last image s |",
+           "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for x in rows:
+        cold = f"{x['images_per_s'] / best_cold:.2f}" if x.get("images_per_s") and best_cold else "-"
+        steady = f"{x['images_per_s_steady'] / best_steady:.2f}" if x.get("images_per_s_steady") and best_steady else "-"
+        out.append(f"| {x['system']} | {x.get('shots') or '-'} | {x.get('images_per_s') or '-'} | {cold} | "
+                   f"{x.get('images_per_s_steady') or '-'} | {steady} | {x.get('first_image_s') or '-'} | {x.get('to_last_image_s') or '-'} |")
+    out += ["", "Per size, the first image against the later ones (seconds of the call for diffusers, render ms for the fleet):", ""]
+    for x in rows:
+        sizes = "; ".join(f"{s} {json.dumps(v)}" for s, v in (x.get("per_size") or {}).items())
+        out.append(f"- {x['system']} ({x.get('status')}): {sizes or '-'}")
+    return out + [""]
+
+
+def load(path: Path):
+    return json.loads(path.read_text()) if path.exists() else None
