@@ -340,10 +340,22 @@ pub async fn wait_settled(js: &jetstream::Context, timeout: Duration) {
 
 /// Waits until the consumer `name` has a job delivered and not yet acked.
 pub async fn wait_in_flight(js: &jetstream::Context, name: &str) {
-    let stream = js.get_stream(shotfleet_schema::subject::JOBS_STREAM).await.expect("jobs stream");
+    assert!(in_flight_or_settled(js, name).await, "{name}: every job settled before one was seen in flight");
+}
+
+/// Whether a job of consumer `name` is in flight (`true`) before every job of the stream has
+/// settled (`false`); fails after 20 s of neither.
+pub async fn in_flight_or_settled(js: &jetstream::Context, name: &str) -> bool {
+    let mut stream = js.get_stream(shotfleet_schema::subject::JOBS_STREAM).await.expect("jobs stream");
     let mut consumer: jetstream::consumer::PullConsumer = stream.get_consumer(name).await.expect("consumer");
     let deadline = Instant::now() + Duration::from_secs(20);
-    while consumer.info().await.expect("consumer info").num_ack_pending == 0 {
+    loop {
+        if consumer.info().await.expect("consumer info").num_ack_pending > 0 {
+            return true;
+        }
+        if stream.info().await.expect("stream info").state.messages == 0 {
+            return false;
+        }
         assert!(Instant::now() < deadline, "{name}: no job was fetched");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
