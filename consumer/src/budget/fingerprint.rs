@@ -14,8 +14,9 @@ use tracing::warn;
 use super::estimate::Estimate;
 
 /// Bumped when [`Estimate`]'s stored form or what it measures changes; other versions are
-/// recalibrated. 2: four terms, probes from shrunk arenas. 3: five terms, size offsets.
-const FORMAT: u32 = 3;
+/// recalibrated. 2: four terms, probes from shrunk arenas. 3: five terms, size offsets. 4: needs
+/// above the floor (what the process keeps outside its arenas), not above the models.
+const FORMAT: u32 = 4;
 
 /// What an estimate is valid for.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]

@@ -115,7 +115,7 @@ async fn fitness(config: &WorkerConfig, pipeline: &Arc<Pipeline>, meter: &Arc<Pe
     if config.calibration.cold {
         shrink(pipeline).await?;
     }
-    match probe_render(pipeline, meter, Shape::new(w, h, n), config.calibration.steps, false).await? {
+    match probe_render(pipeline, meter, Shape::new(w, h, n), config.calibration.steps, config.calibration.cold).await? {
         Ok(_) => Ok(true),
         Err(error) if crate::failure::classify_render(&error) == crate::failure::ErrorKind::Oom => {
             tracing::warn!(error = %error, "the fitness render ran out of memory; calibrating against the room there is now");
