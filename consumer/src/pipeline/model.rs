@@ -62,7 +62,6 @@ struct UnetConfig {
     block_out_channels: Vec<u32>,
 }
 
-/// diffusers' `AutoencoderKL` default; SDXL's config says 0.13025.
 /// `unet/quantization.json` (written by `onnx/quantize_unet.py`): the UNet's linear weights are
 /// packed into a few bits (ONNX Runtime's MatMulNBits). Absent for a float UNet.
 #[derive(Debug, Deserialize)]
@@ -85,6 +84,7 @@ impl std::fmt::Display for PackedWeights {
     }
 }
 
+/// diffusers' `AutoencoderKL` default; SDXL's config says 0.13025.
 fn default_scaling_factor() -> f32 {
     0.18215
 }
