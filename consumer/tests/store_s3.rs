@@ -6,12 +6,21 @@ mod store_support;
 use std::time::{Duration, Instant};
 
 use shotfleet_consumer::store::{RetryConfig, Store, StoreError, StoreErrorKind};
-use shotfleet_testkit::S3Server;
+use shotfleet_testkit::{S3Server, TcpProxy};
 use store_support::{create_bucket, png, s3_config, s3_store};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn store_s3_put_rides_out_an_endpoint_restart() {
-    let (store, mut server) = s3_store("shotfleet");
+    // Through a proxy, so the endpoint comes back only once the restarted moto has its bucket
+    // again: a put landing between the two would rightly fail for good (no such bucket).
+    let mut server = S3Server::start();
+    create_bucket(&server);
+    let mut proxy = TcpProxy::start(&server.endpoint());
+    let (config, mut env) = s3_config(&server, "shotfleet");
+    env.retain(|(k, _)| k != "AWS_ENDPOINT_URL");
+    env.push(("AWS_ENDPOINT_URL".into(), proxy.endpoint()));
+    let store = Store::open(&config, env).unwrap();
+    proxy.down();
     server.stop();
     let put = tokio::spawn({
         let store = store.clone();
@@ -24,6 +33,7 @@ async fn store_s3_put_rides_out_an_endpoint_restart() {
     tokio::task::block_in_place(|| {
         server.start_again();
         create_bucket(&server);
+        proxy.up();
     });
     let stored = tokio::time::timeout(Duration::from_secs(20), put).await.unwrap().unwrap().unwrap();
     assert_eq!(store.get(&stored.key).await.unwrap(), png("survivor"));

@@ -56,8 +56,10 @@ async fn python_follows_a_job_from_taken_to_settled() {
 async fn submit_wait_shows_holders_steps_and_queue_positions() {
     let fleet = OneWorker::start().await;
     let board = tempfile::NamedTempFile::with_suffix(".jsonl").unwrap();
+    // Renders long enough (about a second each) that the queue changes more slowly than the
+    // waiting line is printed: each state of it, sw-6 among the first named included, shows.
     let lines: Vec<String> = (1..=6)
-        .map(|n| serde_json::to_string(&job(&format!("sw-{n}"), "sw", (128, 128), 40, 2)).unwrap())
+        .map(|n| serde_json::to_string(&job(&format!("sw-{n}"), "sw", (128, 128), 120, 2)).unwrap())
         .collect();
     std::fs::write(board.path(), lines.join("\n")).unwrap();
     let out = shotfleet(&fleet.url(), &["submit", board.path().to_str().unwrap(), "--wait", "--timeout", "3m"]).await;
