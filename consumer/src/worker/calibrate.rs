@@ -29,18 +29,21 @@ pub(crate) async fn calibrate(
 ) -> Result<(Estimate, Calibration), WorkerError> {
     let mut calibration = Calibration::new(config.budget.safety);
     let room_now = || budget::room_now(&config.budget, &**probe, resident).map_err(|e| WorkerError::start("read the GPU", e));
+    let cold = config.calibration.cold;
+    if cold {
+        // Shrunk before the room is read, so the room is the models' alone; every cold probe
+        // ends shrunk (probe_render after a render, the out-of-memory arm after a failed one),
+        // so this holds before each later probe too.
+        shrink(pipeline).await?;
+    }
     for &[w, h, n] in &config.calibration.shapes {
         let shape = Shape::new(w, h, n);
-        if config.calibration.cold {
-            // Shrunk before the room is read, so the room is the models' alone.
-            shrink(pipeline).await?;
-        }
         let room = room_now()?;
         if let Some(skipped) = calibration.plan(shape, room) {
             log_skip(shape, skipped);
             continue;
         }
-        match probe_render(pipeline, meter, shape, config.calibration.steps, config.calibration.cold).await? {
+        match probe_render(pipeline, meter, shape, config.calibration.steps, cold).await? {
             Ok(render) => {
                 let mib = |bytes: u64| bytes as f64 / budget::MIB as f64;
                 info!(width = w, height = h, images = n, peak_mib = mib(render.peak), above_models_mib = mib(render.above_models), floor_mib = mib(render.floor), "probe render");
@@ -54,8 +57,11 @@ pub(crate) async fn calibrate(
             Err(error) => return Err(WorkerError::start(&format!("render a {w}x{h}x{n} probe"), error)),
         }
     }
-    // The room the classes are judged against is the idle worker's: the last probe's cache given back.
-    shrink(pipeline).await?;
+    // The room the classes are judged against is the idle worker's: the last probe's cache given
+    // back (cold probes already gave it).
+    if !cold {
+        shrink(pipeline).await?;
+    }
     let estimate = calibration.estimate().map_err(|e| match e {
         budget::CalibrationError::NothingMeasured { .. } => {
             WorkerError::NothingFits(format!("{e} (the models take {} MiB of the card)", resident / budget::MIB))
