@@ -42,7 +42,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "deploy" / "gpu"))
 
-from storyboards import PROMPTS, storyboard_shots  # noqa: E402
+from storyboards import PROMPTS, firsts_of_sizes, storyboard_shots  # noqa: E402
 
 MODES = ("eager", "static", "dynamic")
 
@@ -93,12 +93,7 @@ def summarise(doc: dict) -> dict:
     out = {"mode": doc.get("mode"), "status": doc.get("status"), "shots": len(shots), "built_at_s": doc.get("built_at_s")}
     if not shots:
         return out
-    seen, first_of, last_first = set(), {}, 0
-    for k, shot in enumerate(shots):
-        if shot["size"] not in seen:
-            seen.add(shot["size"])
-            first_of[shot["size"]] = shot["s"]
-            last_first = k
+    first, last_first = firsts_of_sizes([x["size"] for x in shots])
     end = shots[-1]["done_at_s"]
     steady = shots[last_first + 1:]
     steady_s = end - shots[last_first]["done_at_s"]
@@ -108,9 +103,9 @@ def summarise(doc: dict) -> dict:
         steady_images=len(steady),
         images_per_s_steady=round(len(steady) / steady_s, 4) if steady and steady_s > 0 else None,
         first_image_s=shots[0]["done_at_s"],
-        per_size={size: {"first_s": first_of[size],
+        per_size={size: {"first_s": shots[k]["s"],
                          "later_median_s": (round(statistics.median(later), 3) if (later := [x["s"] for x in shots if x["size"] == size][1:]) else None)}
-                  for size in first_of},
+                  for size, k in first.items()},
     )
     return out
 

@@ -16,6 +16,7 @@ import statistics
 from pathlib import Path
 
 from fleet_summary import fnum, r
+from storyboards import firsts_of_sizes
 
 
 def fleet(run: dict) -> dict:
@@ -30,11 +31,8 @@ def fleet(run: dict) -> dict:
     if not done or not spawned:
         return out | {"jobs": len(jobs), "done": len(done)}
     size = lambda x: "{width}x{height}".format(**jobs[x["fields"]["job"]])  # noqa: E731
-    seen, last_first = {}, 0
-    for k, x in enumerate(done):
-        if size(x) not in seen:
-            seen[size(x)] = x
-            last_first = k
+    first, last_first = firsts_of_sizes([size(x) for x in done])
+    seen = {s: done[k] for s, k in first.items()}
     images = sum(int(x["fields"].get("images") or 0) for x in done)
     end = done[-1]["t"]
     steady = done[last_first + 1:]

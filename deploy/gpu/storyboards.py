@@ -105,6 +105,15 @@ def storyboard_shots(n: int, seed: int = STORYBOARD_SEED) -> list[tuple[int, int
     return [(w, h, 5000 + i) for i, (w, h) in enumerate(sizes)]
 
 
+def firsts_of_sizes(sizes: list[str]) -> tuple[dict[str, int], int]:
+    """For images in the order they were done, each size's first (its index), and the index of
+    the last such first: the images after it are the steady state, every size already seen."""
+    first: dict[str, int] = {}
+    for k, size in enumerate(sizes):
+        first.setdefault(size, k)
+    return first, max(first.values(), default=0)
+
+
 def storyboard(args) -> list[dict]:
     # Scaled down (the CPU dry run's tiny model), a side stays a multiple of 16, what that
     # model's UNet needs (SDXL's sizes are multiples of 32 and divide by 8 evenly).
