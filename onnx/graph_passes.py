@@ -16,8 +16,8 @@ graph, never on weights, so a rewritten model.onnx sits beside its model.onnx_da
     dedupe_transposes      two Transposes of one tensor with one perm -> one
     fold_conv_bias         an NhwcConv whose every consumer is a SkipGroupNorm leaves its bias to
                            them (SkipGroupNorm adds X + skip + bias before normalising): cuDNN adds
-                           a convolution's bias in a pass of its own over the output (1.1 ms of a
-                           34 ms call on the H200, 2026-12-02), the group norm reads it for free
+                           a convolution's bias in a pass of its own over the output (its cost:
+                           deploy/gpu/RESULTS.md, the UNet's profile), the group norm reads it for free
 
 Each returns how many nodes it changed; `optimize` runs them to a fixed point. Every rewrite is
 exact: the same numbers in another layout. onnx/tune_unet.py times the result against the

@@ -271,8 +271,8 @@ mod tests {
 /// shrunk back to nothing needs what it adds above the process's usage at that point, the
 /// floor: the models and what the libraries keep outside the arenas once they have loaded
 /// them, which grows as new kernels are first used (CUDA modules, cuDNN's runtime-compiled
-/// kernels per shape: 0.8 GiB after an H200's first probes, 2 GiB after a thousand mixed jobs,
-/// 2026-12-02). A render that loads such kernels leaves the floor higher, so the floor is read
+/// kernels per shape; deploy/gpu/RESULTS.md has its size on an H200). A render that loads such
+/// kernels leaves the floor higher, so the floor is read
 /// again after it (`note_floor`, right after a shrink) and its need is its peak above that. The
 /// floor starts at the post-load baseline; where the probe's usage does not fall on a shrink
 /// ([`GpuProbe::frees_on_shrink`]) it stays there.
