@@ -26,9 +26,15 @@
 #              sets each worker's intra_threads (the CPU's cores shared between the workers whose
 #              text encoders run there).
 #   long-a, long-b  the 1,000-job mixed run (LONG_JOBS 1000), half each (one call each): the fused
-#              UNet under the hog (HOG_KEEP_FREE_GIB 36 left), concurrency 1 and [budget]
-#              cold_renders = true, so every job's `observed peak` line is its own (live predicted
-#              against observed per shape), LONG_STEPS (1) steps. FLEET_RUNS `long` names both.
+#              UNet (LONG_MODEL, default the stage's model) under the hog (HOG_KEEP_FREE_GIB 36 left),
+#              concurrency 1 and [budget] cold_renders = true, so every job's `observed peak` line is
+#              its own (live predicted against observed per shape), LONG_STEPS (1) steps. FLEET_RUNS
+#              `long` names both. With LONG_SHARE_MIB (e.g. 36864, the room the hog leaves) the
+#              pressure is a share of the card ([budget] max_mib) instead of the hog, and with
+#              SMALL_PARALLEL=1 the two halves then run side by side with the card runs, each a fleet
+#              of one worker: they start once LONG_READY (a file "RC SECONDS", lease.sh's
+#              optimize.rc: the fused UNet's maker has ended) says 0 and the pair has ended (its
+#              shares and the halves' would not fit the card together).
 #
 # The CPU dry run scales the shares to the tiny model: SMALL_CARDS_MIB 150 300 1024 (no room at
 # all beside the models, room for no class's largest image, room for xs), pair 1024 and the rest
@@ -228,7 +234,7 @@ in_own_work() {
 # The card runs and the pair side by side (SMALL_PARALLEL=1), each in a subshell of its own with
 # its own WORK (NATS, state, store, worker.pid); their lines reach this log marked with the run.
 small_parallel() {
-    local pids=() entry name base=$WORK
+    local pids=() entry name half pair_pid='' base=$WORK
     for entry in $SMALL_CARDS_MIB pair; do
         if [ "$entry" = pair ]; then
             name=pair
@@ -239,29 +245,78 @@ small_parallel() {
         fi
         if [ "$entry" = pair ]; then
             (in_own_work "$base/$name" small_pair) > >(sed -u "s/^/[$name] /") 2>&1 &
+            pair_pid=$!
         else
             (in_own_work "$base/$name" small_card "$entry") > >(sed -u "s/^/[$name] /") 2>&1 &
         fi
         pids+=($!)
         sleep 2 # free_port picks the runs' ports one run at a time
     done
+    if long_beside; then
+        for half in a b; do
+            wanted long || wanted "long-$half" || continue
+            (in_own_work "$base/long-$half" small_long "$half" $pair_pid) > >(sed -u "s/^/[long-$half] /") 2>&1 &
+            pids+=($!)
+        done
+    fi
     [ ${#pids[@]} -eq 0 ] || wait "${pids[@]}"
     return 0
 }
 
-small_long() {  # a|b: the first or second half of the 1,000-job run
-    local name=long-$1 jobs=${LONG_JOBS:-1000} half slice timeout
+# The halves of the long run beside the card runs (SMALL_PARALLEL=1 with LONG_SHARE_MIB), not after them.
+long_beside() { [ "${SMALL_PARALLEL:-0}" = 1 ] && [ -n "${LONG_SHARE_MIB:-}" ]; }
+
+# long_wait PID...: until LONG_READY (if set) says 0 and the PIDs have ended. Prints why not and
+# returns 1 when the model's maker failed or the deadline would leave a half no room.
+long_wait() {
+    local rc pid ready
+    while :; do
+        ready=1
+        if [ -n "${LONG_READY:-}" ]; then
+            if [ -f "$LONG_READY" ]; then
+                read -r rc _ < "$LONG_READY"
+                [ "$rc" = 0 ] || { echo "the model's maker failed (exit $rc in $LONG_READY)"; return 1; }
+            else
+                ready=0
+            fi
+        fi
+        for pid in "$@"; do kill -0 "$pid" 2> /dev/null && ready=0; done
+        [ "$ready" = 1 ] && return 0
+        if [ "$(left)" -lt $((RUN_MIN_S + 100)) ]; then
+            echo "still waiting for ${LONG_READY:-the runs before it} with $(left) s left"
+            return 1
+        fi
+        sleep 2
+    done
+}
+
+small_long() {  # a|b [PID...]: the first or second half of the 1,000-job run, once the PIDs ended
+    local half=$1 name=long-$1 jobs=${LONG_JOBS:-1000} model=${LONG_MODEL:-$MODEL} slice timeout why t0=$SECONDS
+    local budget="cold_renders = true"
     wanted long || wanted "$name" || return 0
-    half=$((jobs / 2))
-    if [ "$1" = a ]; then slice=0:$half; else slice=$half:$jobs; fi
-    if [ "$(left)" -lt $((RUN_MIN_S + 100)) ]; then run_skip "$name" "1,000 mixed jobs, half $1" "$(left) s left"; return 0; fi
+    shift
+    if [ "$half" = a ]; then slice=0:$((jobs / 2)); else slice=$((jobs / 2)):$jobs; fi
+    if ! why=$(long_wait "$@"); then run_skip "$name" "1,000 mixed jobs, half $half" "$why"; return 0; fi
+    # The halves become ready together: free_port picks their ports one at a time.
+    [ "$half" = b ] && long_beside && sleep 3
+    if [ "$(left)" -lt $((RUN_MIN_S + 100)) ]; then run_skip "$name" "1,000 mixed jobs, half $half" "$(left) s left"; return 0; fi
     if run_begin "$name" "the 1,000-job mixed run under memory pressure, jobs $slice"; then
-        pressure_start
+        run_sampler_start
+        meta waited_s $((SECONDS - t0))
+        PRESSURE_SIM_MIB=0
+        if [ -n "${LONG_SHARE_MIB:-}" ]; then
+            meta share_mib "$LONG_SHARE_MIB"
+            budget+=$'\n'"max_mib = $LONG_SHARE_MIB"
+        else
+            pressure_start
+        fi
+        long_beside && meta parallel "the card runs and the other half shared the card meanwhile"
+        meta model "$model"
         meta top "concurrency = 1"
         meta cuda "$(tr '\n' ';' <<< "$TUNED"$'\n'"$WS_CAPPED")"
         meta slice "$slice"
-        SIM_OTHERS=$PRESSURE_SIM_MIB small_config "$WORK/$name.toml" "concurrency = 1" "cold_renders = true"
-        if worker_start "$WORK/$name.toml"; then
+        SIM_OTHERS=$PRESSURE_SIM_MIB small_config "$WORK/$name.toml" "concurrency = 1" "$budget"
+        if MODEL=$model worker_start "$WORK/$name.toml"; then
             mixed_jobs long "$jobs" "${LONG_STEPS:-1}" --slice "$slice"
             timeout=$(($(left) - STOP_S - 10))
             submit_set m "jobs $slice of $jobs mixed jobs, ${LONG_STEPS:-1} step(s)" "$WORK/jobs.jsonl" "$timeout"
@@ -269,6 +324,7 @@ small_long() {  # a|b: the first or second half of the 1,000-job run
     fi
     run_end
     hog_stop
+    run_sampler_stop
 }
 
 stage_small() {
@@ -279,6 +335,7 @@ stage_small() {
         for entry in $SMALL_CARDS_MIB; do small_card "$entry"; done
         small_pair
     fi
+    long_beside && return 0
     small_long a
     small_long b
 }

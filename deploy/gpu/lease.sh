@@ -37,6 +37,14 @@
 #                   workers on one card, the 1,000-job run; FLEET_RUNS picks) -> small.json. With
 #                   FLEET_MODEL naming another folder than /root/sdxl (e.g. /root/sdxl-plain) a fleet
 #                   stage does not wait for the optimizer.
+#   fleet-small-start  `deploy/gpu/fleet.sh small` in the background (setsid: it outlives the call),
+#                   from a copy of deploy/gpu and .gpu/bin in /root/bg-small, to end within FLEET_BG_S
+#                   (1200) s: runs longer than a call (the card runs, the pair and both halves of the
+#                   1,000-job run side by side: SMALL_PARALLEL=1 with LONG_SHARE_MIB). Without
+#                   optimize.done, the halves wait for the optimizer's optimize.rc (LONG_READY) and
+#                   render LONG_MODEL (default the fused /root/sdxl)
+#   fleet-small-wait   waits for it (until 40 s before the call's limit; call it again in the next
+#                   call while it runs) and copies what it wrote for $OUT (small.json, fleet-small.txt)
 #   fleet-see       optimize-wait, then `deploy/gpu/fleet.sh see` (issue 16) -> see-the-work.json
 #   fleet-storyboard  optimize-wait, then `deploy/gpu/fleet.sh storyboard` (issue 17: the same storyboard,
 #                   queued, then a cold worker) -> storyboard.json
@@ -436,6 +444,42 @@ stage_fleet() {
     return "$rc"
 }
 
+# stage_fleet_start PART: `fleet.sh PART` in the background for FLEET_BG_S, as stage_fleet would
+# run it, from copies (a later call's fresh working tree cannot change what it runs); its log
+# $RESULTS/fleet-PART.log, its $OUT $RESULTS/bg-out-PART (stage_fleet_wait copies it to the call's).
+stage_fleet_start() {
+    local part=$1 bg=$ROOT/bg-$1 ready=''
+    [ -d .gpu/bin ] || { echo "carry .gpu/bin (the release binaries built here) in this call" >&2; return 2; }
+    if alive "$ROOT/fleet-$part.pid"; then echo "fleet.sh $part already runs in the background" >&2; return 2; fi
+    ort_env
+    rm -rf "$bg" "$RESULTS/bg-out-$part" "$ROOT/fleet-$part.rc"
+    mkdir -p "$bg/deploy/gpu" "$bg/.gpu" "$RESULTS/bg-out-$part" || return
+    cp deploy/gpu/*.sh deploy/gpu/*.py deploy/gpu/*.toml "$bg/deploy/gpu/" && cp -r .gpu/bin "$bg/.gpu/" || return
+    chmod +x "$bg"/.gpu/bin/*
+    [ -f "$ROOT/optimize.done" ] || ready=$ROOT/optimize.rc
+    log "fleet.sh $part in the background, must end within ${FLEET_BG_S:-1200} s${ready:+; the long halves wait for $ready}"
+    # shellcheck disable=SC2016 # the inner script expands its own arguments
+    env SHOTFLEET_DEVICE=cuda BIN_DIR="$bg/.gpu/bin" MODEL_DIR="$SDXL" RESULTS="$RESULTS" OUT="$RESULTS/bg-out-$part" \
+        NATS_SERVER="$SITE/bin/nats-server" GPU_SAMPLER="$bg/deploy/gpu/gpu_sampler.py" FLEET_DEADLINE_S="${FLEET_BG_S:-1200}" \
+        LONG_READY="${LONG_READY:-$ready}" LONG_MODEL="${LONG_MODEL:-$SDXL}" \
+        setsid nohup bash -c 's=$SECONDS; timeout -k 10 "$1" bash "$2/deploy/gpu/fleet.sh" "$3"; echo "$? $((SECONDS - s))" > "$4/fleet-$3.rc"' \
+        _ "${FLEET_BG_S:-1200}" "$bg" "$part" "$ROOT" > "$RESULTS/fleet-$part.log" 2>&1 < /dev/null &
+    echo $! > "$ROOT/fleet-$part.pid"
+    sleep 5
+    tail -n 5 "$RESULTS/fleet-$part.log"
+}
+
+# stage_fleet_wait PART: until the background fleet.sh PART ends (1 when it is still running 40 s
+# before the call's limit: the next call waits again), then its files for $OUT.
+stage_fleet_wait() {
+    local part=$1 rc=0
+    [ -f "$ROOT/fleet-$part.pid" ] || { echo "no background fleet.sh $part: run fleet-$part-start first" >&2; return 3; }
+    wait_job "fleet-$part" "$(($(left) - 40))" || rc=$?
+    tail -n 12 "$RESULTS/fleet-$part.log"
+    [ -f "$ROOT/fleet-$part.rc" ] && to_out "$RESULTS/bg-out-$part"/*
+    return "$rc"
+}
+
 # The LoRA storyboard (issue 14) on the model that stage `lora` prepared, beside today's.
 stage_fleet_board() {
     [ -f "$ROOT/sdxl-lora/unet/lora_map.json" ] || { echo "no $ROOT/sdxl-lora/unet/lora_map.json: run stage lora first" >&2; return 3; }
@@ -475,6 +519,8 @@ run_stage() {
         fleet-speed) stage_fleet speed || rc=$? ;;
         fleet-budget) stage_fleet budget || rc=$? ;;
         fleet-small) stage_fleet small || rc=$? ;;
+        fleet-small-start) stage_fleet_start small || rc=$? ;;
+        fleet-small-wait) stage_fleet_wait small || rc=$? ;;
         fleet-see) stage_fleet see || rc=$? ;;
         fleet-storyboard) stage_fleet storyboard || rc=$? ;;
         fleet-box) stage_fleet box || rc=$? ;;

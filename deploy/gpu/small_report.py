@@ -90,11 +90,15 @@ def pair_md(pair: dict) -> list[str]:
 
 def long_md(long: dict) -> list[str]:
     out = ["### 1,000 mixed jobs under memory pressure, the estimate checked live", "",
-           "| half | jobs | tally | images/s | admission OOMs | observed peaks | hog |", "| --- | --- | --- | ---: | ---: | ---: | --- |"]
+           "| half | jobs | tally | images/s | admission OOMs | observed peaks | pressure |", "| --- | --- | --- | ---: | ---: | ---: | --- |"]
     for h in long.get("halves", []):
         hog = h.get("hog") or {}
-        hog_text = f"{_num(hog.get('held_mib'), '.0f')} MiB held, {_num(hog.get('free_after_mib'), '.0f')} MiB free" \
-            if hog.get("held_mib") else (h.get("hog_error") or "none")
+        if h.get("share_mib"):
+            hog_text = f"a {h['share_mib']} MiB share" + (" beside the other runs" if h.get("beside") else "")
+        elif hog.get("held_mib"):
+            hog_text = f"hog: {_num(hog.get('held_mib'), '.0f')} MiB held, {_num(hog.get('free_after_mib'), '.0f')} MiB free"
+        else:
+            hog_text = h.get("hog_error") or "none"
         out.append(f"| {h.get('name')} | {h.get('slice')} | {json.dumps(h.get('tally'))} | {_num(h.get('images_per_s'), '.3f')} "
                    f"| {h.get('admission_ooms')} | {h.get('observed_peaks')} | {hog_text[:100]} |")
     out += ["", f"Admission OOMs: **{long.get('admission_ooms')}**; {long.get('shapes_within')} "

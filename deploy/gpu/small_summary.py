@@ -190,7 +190,8 @@ def long(runs: list[dict]) -> dict:
         halves.append({"name": run["name"], "status": run.get("status"), "slice": meta.get("slice"), "tally": m.get("tally"),
                        "images": m.get("images"), "images_per_s": m.get("images_per_s"), "wall_s": m.get("wall_s"),
                        "admission_ooms": run["log_counts"]["oom"], "observed_peaks": run["log_counts"]["observed_peak"],
-                       "hog": hog, "hog_error": meta.get("hog_error"), "worker_exit": meta.get("worker_exit"),
+                       "hog": hog, "hog_error": meta.get("hog_error"), "share_mib": meta.get("share_mib"),
+                       "waited_s": meta.get("waited_s"), "beside": meta.get("parallel"), "worker_exit": meta.get("worker_exit"),
                        "error": run.get("error"), "note": m.get("note") or run.get("note")})
         for x in log.with_message("observed peak"):
             f = x["fields"]
