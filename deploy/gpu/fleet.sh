@@ -16,8 +16,9 @@
 #   c1-keep, c2-batch4-keep  c1-tuned, c2-batch4 with [budget] vae_keeps_arena = true (VAE_KEEPS):
 #              the cost of the VAE's per-decode arena shrink, the default since the sixth lease
 #   c1-graph   concurrency 1, the same [cuda.unet] plus graph = true; 16 x 1
-#   c2-batch4-graph  c2-batch4-keep with graph = true at concurrency 1 (graph needs it; the name stays): the UNet's launch gaps (9% of a call,
-#              2026-12-02 profile) closed by replaying a captured graph per shape
+#   c1-batch4-graph  c2-batch4-keep at concurrency 1 (a captured graph needs it) with graph = true:
+#              the UNet's launch gaps (9% of a call, RESULTS.md's profile) closed by replaying a
+#              captured graph per shape
 #   c1-best    concurrency 1, the UNet benchmark's best: heuristic, fuse_conv_bias, graph; 16 x 1
 #   c1-stock   concurrency 1, no [cuda.*] table (ONNX Runtime's defaults); 16 x 1
 # All SPEED_SIZE x SPEED_SIZE (1024), SPEED_STEPS (30) steps, guidance 5, submitted at once with
@@ -243,8 +244,7 @@ stage_speed() {
     speed_run c2-batch4-keep "c2 batch_jobs 4, VAE keeps its arena" $'concurrency = 2\nbatch_jobs = 4' \
         "$TUNED"$'\n\n'"$VAE_KEEPS" "a:${SPEED_JOBS}x1"
     speed_run c1-graph "c1 cuda graph" "concurrency = 1" "$TUNED"$'\ngraph = true' "a:${SPEED_JOBS}x1"
-    # A captured graph needs concurrency 1 (the worker refuses graph = true beside a second render).
-    speed_run c2-batch4-graph "c1 batch_jobs 4, CUDA graph, VAE keeps its arena" $'concurrency = 1\nbatch_jobs = 4' \
+    speed_run c1-batch4-graph "c1 batch_jobs 4, CUDA graph, VAE keeps its arena" $'concurrency = 1\nbatch_jobs = 4' \
         "$TUNED"$'\ngraph = true\n\n'"$VAE_KEEPS" "a:${SPEED_JOBS}x1"
     speed_run c1-best "c1 best" "concurrency = 1" "$TUNED"$'\nfuse_conv_bias = true\ngraph = true' "a:${SPEED_JOBS}x1"
     speed_run c1-stock "c1 stock" "concurrency = 1" "" "a:${SPEED_JOBS}x1"

@@ -416,6 +416,14 @@ stage_tune() {
     return "$rc"
 }
 
+# fleet_env REPO OUT DEADLINE_S: what fleet.sh gets (deploy/gpu/README.md, "fleet.sh") from the
+# checkout REPO (its deploy/gpu and .gpu/bin) into FLEET_ENV, NAME=VALUE words; python3 keeps torch
+# (the hog) and pynvml with PYTHONPATH=/root/site in front.
+fleet_env() {
+    FLEET_ENV=(SHOTFLEET_DEVICE=cuda BIN_DIR="$1/.gpu/bin" MODEL_DIR="$SDXL" RESULTS="$RESULTS" OUT="$2"
+        NATS_SERVER="$SITE/bin/nats-server" GPU_SAMPLER="$1/deploy/gpu/gpu_sampler.py" FLEET_DEADLINE_S="$3")
+}
+
 # stage_fleet speed|budget: deploy/gpu/fleet.sh STAGE, ending 40 s before the call's limit (report).
 stage_fleet() {
     local part=$1
@@ -424,20 +432,18 @@ stage_fleet() {
     [ -d .gpu/bin ] || { echo "carry .gpu/bin (the release binaries built here) in this call" >&2; return 2; }
     ort_env
     chmod +x .gpu/bin/* 2> /dev/null
-    # What fleet.sh gets (deploy/gpu/README.md, "fleet.sh"); python3 keeps torch (the hog) and pynvml
-    # with PYTHONPATH=/root/site in front.
-    export SHOTFLEET_DEVICE=cuda BIN_DIR=$REPO/.gpu/bin MODEL_DIR=$SDXL RESULTS OUT \
-        NATS_SERVER=$SITE/bin/nats-server GPU_SAMPLER=$REPO/deploy/gpu/gpu_sampler.py
-    export FLEET_DEADLINE_S=$(($(left) - 40))
-    if [ "$FLEET_DEADLINE_S" -lt 60 ]; then
-        echo "fleet $part: only $FLEET_DEADLINE_S s left in this call" >&2
+    local deadline=$(($(left) - 40))
+    if [ "$deadline" -lt 60 ]; then
+        echo "fleet $part: only $deadline s left in this call" >&2
         return 7
     fi
-    log "fleet.sh $part, must end within $FLEET_DEADLINE_S s"
+    fleet_env "$REPO" "$OUT" "$deadline"
+    export "${FLEET_ENV[@]}"
+    log "fleet.sh $part, must end within $deadline s"
     # Not `| tee`: a process fleet.sh leaves behind would hold the pipe open and the call with it
     # (2026-11-30: an orphaned sampler kept call 8 running to its 600 s limit, so report never ran).
     # tail --pid follows the log and ends with timeout's process, whatever else still runs.
-    timeout -k 10 "$FLEET_DEADLINE_S" bash deploy/gpu/fleet.sh "$part" > "$RESULTS/fleet-$part.log" 2>&1 < /dev/null &
+    timeout -k 10 "$deadline" bash deploy/gpu/fleet.sh "$part" > "$RESULTS/fleet-$part.log" 2>&1 < /dev/null &
     local pid=$! rc=0
     tail -n +1 --pid="$pid" -f "$RESULTS/fleet-$part.log"
     wait "$pid" || rc=$?
@@ -458,10 +464,9 @@ stage_fleet_start() {
     chmod +x "$bg"/.gpu/bin/*
     [ -f "$ROOT/optimize.done" ] || ready=$ROOT/optimize.rc
     log "fleet.sh $part in the background, must end within ${FLEET_BG_S:-1200} s${ready:+; the long halves wait for $ready}"
+    fleet_env "$bg" "$RESULTS/bg-out-$part" "${FLEET_BG_S:-1200}"
     # shellcheck disable=SC2016 # the inner script expands its own arguments
-    env SHOTFLEET_DEVICE=cuda BIN_DIR="$bg/.gpu/bin" MODEL_DIR="$SDXL" RESULTS="$RESULTS" OUT="$RESULTS/bg-out-$part" \
-        NATS_SERVER="$SITE/bin/nats-server" GPU_SAMPLER="$bg/deploy/gpu/gpu_sampler.py" FLEET_DEADLINE_S="${FLEET_BG_S:-1200}" \
-        LONG_READY="${LONG_READY:-$ready}" LONG_MODEL="${LONG_MODEL:-$SDXL}" \
+    env "${FLEET_ENV[@]}" LONG_READY="${LONG_READY:-$ready}" LONG_MODEL="${LONG_MODEL:-$SDXL}" \
         setsid nohup bash -c 's=$SECONDS; timeout -k 10 "$1" bash "$2/deploy/gpu/fleet.sh" "$3"; echo "$? $((SECONDS - s))" > "$4/fleet-$3.rc"' \
         _ "${FLEET_BG_S:-1200}" "$bg" "$part" "$ROOT" > "$RESULTS/fleet-$part.log" 2>&1 < /dev/null &
     echo $! > "$ROOT/fleet-$part.pid"
