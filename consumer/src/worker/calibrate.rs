@@ -1,7 +1,8 @@
 //! The probe renders at start, each planned against the room before it runs
 //! ([`Calibration`]): a probe over the room is skipped, one that runs out of memory anyway is
 //! the card's ceiling for its shape, and calibration goes on with what fits. Only a probe that
-//! fails for another reason (a broken model, a driver fault) stops the start.
+//! fails for another reason (a broken model, a driver fault) stops the start. Each probe is
+//! measured on its shape's second render, as every job of a probed size is ([`warm_probe`]).
 
 use std::sync::Arc;
 
@@ -10,9 +11,9 @@ use tracing::{info, warn};
 use crate::budget::{self, Calibration, Estimate, GpuProbe, PeakMeter, ProbeOutcome, Shape};
 use crate::config::WorkerConfig;
 use crate::failure::{ErrorKind, classify_render};
-use crate::pipeline::Pipeline;
+use crate::pipeline::{Pipeline, RenderError};
 use crate::worker::WorkerError;
-use crate::worker::startup::{probe_render, shrink};
+use crate::worker::startup::{ProbeRender, probe_render, shrink};
 
 /// Renders the configured probes that fit, smallest first, and fits the estimate to them.
 ///
@@ -43,7 +44,7 @@ pub(crate) async fn calibrate(
             log_skip(shape, skipped);
             continue;
         }
-        match probe_render(pipeline, meter, shape, config.calibration.steps, cold).await? {
+        match warm_probe(pipeline, meter, shape, config.calibration.steps, cold).await? {
             Ok(render) => {
                 let mib = |bytes: u64| bytes as f64 / budget::MIB as f64;
                 info!(width = w, height = h, images = n, peak_mib = mib(render.peak), above_models_mib = mib(render.above_models), floor_mib = mib(render.floor), "probe render");
@@ -69,6 +70,30 @@ pub(crate) async fn calibrate(
         other => WorkerError::start("calibrate the budget", other),
     })?;
     Ok((estimate, calibration))
+}
+
+/// One probe, measured on its shape's second render where probes start from shrunk arenas.
+///
+/// A shape's first render needs more than every later one: ONNX Runtime allocates its tensors
+/// one by one while it records the shape's memory pattern, and later runs allocate the recorded
+/// plan as one block. On the H200 (deploy/gpu/RESULTS.md, 1,000 jobs on 2026-12-02) probes
+/// measured on their first render needed 10-27% more than every later render of their size at
+/// one image and 20-45% more at two and four, so the estimate over-predicted every shape; a
+/// job of a size the fleet probed is never its size's first render. So a one-step render primes
+/// the shape first (an out-of-memory there is the probe's own), and the measured render is the
+/// second. Probes that keep their arenas (`[calibration] cold = false`) are not primed: a second
+/// render would find the first's memory cached and read no growth.
+async fn warm_probe(
+    pipeline: &Arc<Pipeline>,
+    meter: &Arc<PeakMeter>,
+    shape: Shape,
+    steps: u32,
+    cold: bool,
+) -> Result<Result<ProbeRender, RenderError>, WorkerError> {
+    if cold && let Err(error) = probe_render(pipeline, meter, shape, 1, true).await? {
+        return Ok(Err(error));
+    }
+    probe_render(pipeline, meter, shape, steps, cold).await
 }
 
 fn log_skip(shape: Shape, outcome: ProbeOutcome) {
