@@ -25,7 +25,8 @@
 #              keeps them apart ([budget] max_mib), so the pair needs PAIR_BIG_MIB. SMALL_INTRA_THREADS
 #              sets each worker's intra_threads (the CPU's cores shared between the workers whose
 #              text encoders run there).
-#   long-a, long-b  the 1,000-job mixed run (LONG_JOBS 1000), half each (one call each): the fused
+#   long-a, long-b  the 1,000-job mixed run (LONG_JOBS 1000), half each (one call each; LONG_PARTS
+#              cuts it in up to 6 parts, long-a .. long-f, for side by side runs): the fused
 #              UNet (LONG_MODEL, default the stage's model) under the hog (HOG_KEEP_FREE_GIB 36 left),
 #              concurrency 1 and [budget] cold_renders = true, so every job's `observed peak` line is
 #              its own (live predicted against observed per shape), LONG_STEPS (1) steps. FLEET_RUNS
@@ -253,7 +254,7 @@ small_parallel() {
         sleep 2 # free_port picks the runs' ports one run at a time
     done
     if long_beside; then
-        for half in a b; do
+        for half in $(long_parts); do
             wanted long || wanted "long-$half" || continue
             (in_own_work "$base/long-$half" small_long "$half" $pair_pid) > >(sed -u "s/^/[long-$half] /") 2>&1 &
             pids+=($!)
@@ -265,6 +266,12 @@ small_parallel() {
 
 # The halves of the long run beside the card runs (SMALL_PARALLEL=1 with LONG_SHARE_MIB), not after them.
 long_beside() { [ "${SMALL_PARALLEL:-0}" = 1 ] && [ -n "${LONG_SHARE_MIB:-}" ]; }
+
+# The long run's parts, a letter each: LONG_PARTS (2, at most 6) slices of its jobs.
+long_parts() {
+    local letters=abcdef
+    echo "${letters:0:${LONG_PARTS:-2}}" | grep -o .
+}
 
 # long_wait PID...: until LONG_READY (if set) says 0 and the PIDs have ended. Prints why not and
 # returns 1 when the model's maker failed or the deadline would leave a half no room.
@@ -290,16 +297,17 @@ long_wait() {
     done
 }
 
-small_long() {  # a|b [PID...]: the first or second half of the 1,000-job run, once the PIDs ended
+small_long() {  # a|b|...: one part of the 1,000-job run (LONG_PARTS of them), once the PIDs ended
     local half=$1 name=long-$1 jobs=${LONG_JOBS:-1000} model=${LONG_MODEL:-$MODEL} slice timeout why t0=$SECONDS
-    local budget="cold_renders = true"
+    local budget="cold_renders = true" parts=${LONG_PARTS:-2} index
     wanted long || wanted "$name" || return 0
     shift
-    if [ "$half" = a ]; then slice=0:$((jobs / 2)); else slice=$((jobs / 2)):$jobs; fi
-    if ! why=$(long_wait "$@"); then run_skip "$name" "1,000 mixed jobs, half $half" "$why"; return 0; fi
-    # The halves become ready together: free_port picks their ports one at a time.
-    [ "$half" = b ] && long_beside && sleep 3
-    if [ "$(left)" -lt $((RUN_MIN_S + 100)) ]; then run_skip "$name" "1,000 mixed jobs, half $half" "$(left) s left"; return 0; fi
+    index=$(( $(printf '%d' "'$half") - $(printf '%d' "'a") ))
+    slice=$((index * jobs / parts)):$(((index + 1) * jobs / parts))
+    if ! why=$(long_wait "$@"); then run_skip "$name" "1,000 mixed jobs, part $half" "$why"; return 0; fi
+    # The parts become ready together: free_port picks their ports one at a time.
+    long_beside && sleep $((3 * index))
+    if [ "$(left)" -lt $((RUN_MIN_S + 100)) ]; then run_skip "$name" "1,000 mixed jobs, part $half" "$(left) s left"; return 0; fi
     if run_begin "$name" "the 1,000-job mixed run under memory pressure, jobs $slice"; then
         run_sampler_start
         meta waited_s $((SECONDS - t0))
@@ -310,7 +318,7 @@ small_long() {  # a|b [PID...]: the first or second half of the 1,000-job run, o
         else
             pressure_start
         fi
-        long_beside && meta parallel "the card runs and the other half shared the card meanwhile"
+        long_beside && meta parallel "the card runs and the other parts shared the card meanwhile"
         meta model "$model"
         meta top "concurrency = 1"
         meta cuda "$(tr '\n' ';' <<< "$TUNED"$'\n'"$WS_CAPPED")"
@@ -336,6 +344,6 @@ stage_small() {
         small_pair
     fi
     long_beside && return 0
-    small_long a
-    small_long b
+    local part
+    for part in $(long_parts); do small_long "$part"; done
 }

@@ -90,7 +90,8 @@ def pair_md(pair: dict) -> list[str]:
 
 def long_md(long: dict) -> list[str]:
     out = ["### 1,000 mixed jobs under memory pressure, the estimate checked live", "",
-           "| half | jobs | tally | images/s | admission OOMs | observed peaks | pressure |", "| --- | --- | --- | ---: | ---: | ---: | --- |"]
+           "| part | jobs | tally | images/s | admission OOMs | observed peaks | render threads | floor steps (new thread) | pressure |",
+           "| --- | --- | --- | ---: | ---: | ---: | ---: | --- | --- |"]
     for h in long.get("halves", []):
         hog = h.get("hog") or {}
         if h.get("share_mib"):
@@ -99,8 +100,10 @@ def long_md(long: dict) -> list[str]:
             hog_text = f"hog: {_num(hog.get('held_mib'), '.0f')} MiB held, {_num(hog.get('free_after_mib'), '.0f')} MiB free"
         else:
             hog_text = h.get("hog_error") or "none"
+        steps = ", ".join(f"+{st['to_mib'] - st['from_mib']}" + {True: " (yes)", False: " (no)"}.get(st.get("new_thread"), "")
+                          for st in h.get("floor_steps") or []) or "none"
         out.append(f"| {h.get('name')} | {h.get('slice')} | {json.dumps(h.get('tally'))} | {_num(h.get('images_per_s'), '.3f')} "
-                   f"| {h.get('admission_ooms')} | {h.get('observed_peaks')} | {hog_text[:100]} |")
+                   f"| {h.get('admission_ooms')} | {h.get('observed_peaks')} | {h.get('threads') or '-'} | {steps} | {hog_text[:100]} |")
     out += ["", f"Admission OOMs: **{long.get('admission_ooms')}**; {long.get('shapes_within')} "
                 f"(error: observed / predicted - 1 of each render, `cold_renders` on; the worker learned only from "
                 f"those it judged cold; never judged cold: {', '.join(long.get('shapes_never_cold') or []) or 'none'}).", "",

@@ -172,6 +172,26 @@ def pair(run: dict) -> dict:
     return out
 
 
+# A rise of the floor this large between two renders is a step worth naming (2026-12-02: 588 MiB, twice).
+FLOOR_STEP_MIB = 256
+
+
+def floor_steps(peaks: list[dict]) -> list[dict]:
+    """Where the floor (what the process keeps outside its arenas) rose by FLOOR_STEP_MIB or more
+    across one render, and whether that render ran on a thread no earlier render had: ONNX
+    Runtime's CUDA provider makes a context of its own for each calling thread."""
+    steps, seen = [], set()
+    for f in peaks:
+        before, after = f.get("held_at_start_mib") or 0, f.get("floor_mib") or 0
+        thread = f.get("thread")
+        if after - before >= FLOOR_STEP_MIB:
+            steps.append({"job": f.get("job"), "from_mib": before, "to_mib": after,
+                          "new_thread": None if thread is None else thread not in seen})
+        if thread is not None:
+            seen.add(thread)
+    return steps
+
+
 def long(runs: list[dict]) -> dict:
     """The halves of the 1,000-job run, merged: per shape, every observed peak against the need
     predicted for it at that moment, (observed - predicted) / predicted: the line's `error` where
@@ -187,7 +207,9 @@ def long(runs: list[dict]) -> dict:
         hog = None
         if (run["_dir"] / "hog.json").exists():
             hog = json.loads((run["_dir"] / "hog.json").read_text())
+        peaks = [x["fields"] for x in log.with_message("observed peak")]
         halves.append({"name": run["name"], "status": run.get("status"), "slice": meta.get("slice"), "tally": m.get("tally"),
+                       "threads": len({f["thread"] for f in peaks if f.get("thread")}) or None, "floor_steps": floor_steps(peaks),
                        "images": m.get("images"), "images_per_s": m.get("images_per_s"), "wall_s": m.get("wall_s"),
                        "admission_ooms": run["log_counts"]["oom"], "observed_peaks": run["log_counts"]["observed_peak"],
                        "hog": hog, "hog_error": meta.get("hog_error"), "share_mib": meta.get("share_mib"),

@@ -233,7 +233,8 @@ async fn render_once(
                 // it loaded included, is the floor its need is measured from.
                 let floor = if gives_arenas_back && result.is_ok() { meter.note_floor().ok() } else { None };
                 let floor = floor.unwrap_or_else(|| meter.floor()).saturating_sub(sets);
-                (result, peak.ok().map(|measured| (measured.less_held(sets), floor)))
+                let thread = std::thread::current().id();
+                (result, peak.ok().map(|measured| (measured.less_held(sets), floor, thread)))
             }
             None => (render(), None),
         }
@@ -241,9 +242,9 @@ async fn render_once(
     .await;
     let elapsed = started.elapsed();
     let (result, peak) = outcome.map_err(|e| (JobError::transient(format!("render task failed: {e}")), None))?;
-    if let (Ok(_), Some((measured, floor))) = (&result, peak) {
+    if let (Ok(_), Some((measured, floor, thread))) = (&result, peak) {
         shared.budget.outside_arenas(floor);
-        learn(shared, job, reservation.shape(), measured, floor);
+        learn(shared, job, reservation.shape(), measured, floor, thread);
     }
     drop(reservation);
     telemetry::render_time(SubjectClass::Class(job.class()), elapsed);
@@ -289,8 +290,9 @@ fn kind_of(error: &RenderError) -> JobError {
 /// Learns from a render's need (its peak above `floor`, what the process holds with shrunk
 /// arenas) where it is the render's own: one that started from arenas an earlier, larger
 /// render left full reads their cache too, which says nothing about this shape (and would plan
-/// every later job at the largest size seen).
-fn learn(shared: &Shared, job: &ShotJob, shape: Shape, measured: Measured, floor: u64) {
+/// every later job at the largest size seen). `thread` is the one the render ran on: ONNX
+/// Runtime's CUDA provider keeps a context per calling thread, which the floor may show.
+fn learn(shared: &Shared, job: &ShotJob, shape: Shape, measured: Measured, floor: u64, thread: std::thread::ThreadId) {
     let planned = shared.budget.planned(shape.width, shape.height, shape.images);
     let (need, cold) = measured.need_over(floor);
     telemetry::estimate_error(planned, need, cold);
@@ -307,6 +309,7 @@ fn learn(shared: &Shared, job: &ShotJob, shape: Shape, measured: Measured, floor
         planned_mib = planned / MIB,
         error,
         cold,
+        thread = ?thread,
         "observed peak"
     );
 }
