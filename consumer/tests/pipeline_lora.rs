@@ -36,7 +36,7 @@ fn render(pipeline: &Pipeline, reqs: &[RenderRequest], set: Option<&ResidentSet>
         .render_with_loras(reqs, set, &RenderControl::default(), &mut |_| ControlFlow::Continue(()))
         .expect("render")
         .into_iter()
-        .map(|out| out.images.into_iter().map(|i| i.png).collect())
+        .map(|out| out.images.into_iter().map(|i| i.rgb).collect())
         .collect()
 }
 

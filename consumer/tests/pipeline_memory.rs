@@ -94,7 +94,7 @@ fn a_unet_batch_too_large_fails_for_real_and_one_at_a_time_fits() {
 
     // Same images as an uncapped pipeline renders (noise per (seed, index), allocator-blind).
     let reference = uncapped().render(&request(384, 1, 1, 6.0), &mut go).unwrap();
-    assert_eq!(split.images[0].png, reference.images[0].png);
+    assert_eq!(split.images[0].rgb, reference.images[0].rgb);
 }
 
 #[test]
@@ -123,7 +123,7 @@ fn after_out_of_memory_the_same_pipeline_and_a_reloaded_one_render_as_a_fresh_on
     let fresh = uncapped().render(&request(64, 1, 1, 6.0), &mut go).unwrap();
     // The failed session serves the next, smaller render without any repair.
     let same = pipeline.render(&request(64, 1, 1, 6.0), &mut go).unwrap();
-    assert_eq!(same.images[0].png, fresh.images[0].png);
+    assert_eq!(same.images[0].rgb, fresh.images[0].rgb);
 
     // The arena keeps the failed run's regions until shrunk.
     let before = pipeline.cpu_arena_stats().unwrap();
@@ -135,7 +135,7 @@ fn after_out_of_memory_the_same_pipeline_and_a_reloaded_one_render_as_a_fresh_on
     // Sessions rebuilt in place: same folder, same options, same images.
     let pipeline = pipeline.reload().unwrap();
     let reloaded = pipeline.render(&request(64, 1, 1, 6.0), &mut go).unwrap();
-    assert_eq!(reloaded.images[0].png, fresh.images[0].png);
+    assert_eq!(reloaded.images[0].rgb, fresh.images[0].rgb);
 }
 
 #[test]

@@ -36,12 +36,12 @@ fn split_batch_renders_the_same_images() {
     assert_eq!(together.images.len(), 2);
     assert_eq!(together.images[0].index, 0);
     assert_eq!(together.images[1].index, 1);
-    assert_eq!(together.images[0].png, one_by_one.images[0].png, "image 0: batch of 2 vs alone");
-    assert_eq!(together.images[1].png, one_by_one.images[1].png, "image 1: batch of 2 vs alone");
-    assert_eq!(together.images[1].png, only_second.images[0].png, "image 1 rendered on its own");
-    assert_ne!(together.images[0].png, together.images[1].png, "different indices, different noise");
+    assert_eq!(together.images[0].rgb, one_by_one.images[0].rgb, "image 0: batch of 2 vs alone");
+    assert_eq!(together.images[1].rgb, one_by_one.images[1].rgb, "image 1: batch of 2 vs alone");
+    assert_eq!(together.images[1].rgb, only_second.images[0].rgb, "image 1 rendered on its own");
+    assert_ne!(together.images[0].rgb, together.images[1].rgb, "different indices, different noise");
     let again = pipeline.render(&request(vec![0], 1), &mut go).unwrap();
-    assert_eq!(again.images[0].png, together.images[0].png, "same seed and index, same image");
+    assert_eq!(again.images[0].rgb, together.images[0].rgb, "same seed and index, same image");
 }
 
 #[test]
@@ -98,8 +98,12 @@ fn png_carries_parameters_and_info_describes_the_model() {
     let out = pipeline.render(&RenderRequest { width: 128, height: 64, ..request(vec![3], 1) }, &mut go).unwrap();
     let image = &out.images[0];
     assert_eq!((image.index, image.seed, image.width, image.height), (3, 1234, 128, 64));
-    let decoder = png::Decoder::new(std::io::Cursor::new(&image.png));
-    let reader = decoder.read_info().unwrap();
+    let png = image.encode_png().unwrap();
+    let decoder = png::Decoder::new(std::io::Cursor::new(&png));
+    let mut reader = decoder.read_info().unwrap();
+    let mut pixels = vec![0; reader.output_buffer_size().unwrap()];
+    reader.next_frame(&mut pixels).unwrap();
+    assert_eq!(pixels, image.rgb, "the PNG holds the rendered pixels");
     let info = reader.info();
     assert_eq!((info.width, info.height), (128, 64));
     let text = |key: &str| info.uncompressed_latin1_text.iter().find(|t| t.keyword == key).map(|t| t.text.clone());

@@ -100,6 +100,8 @@ pub struct ImageRef {
 pub struct Timing {
     /// From publish (the stream's timestamp) to the worker's fetch.
     pub queue_ms: u64,
+    /// The render: text encoders, UNet steps and VAE decodes, until the images' pixels are out.
     pub render_ms: u64,
+    /// The images' PNG encoding and their upload (the next job renders meanwhile).
     pub upload_ms: u64,
 }

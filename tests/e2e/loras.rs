@@ -71,7 +71,7 @@ pub fn reference_images(pipeline: &Pipeline, job: &ShotJob, files: &[(&str, &str
     let request = render_request(job, job.images);
     let set = (!merged.is_empty()).then_some(&set);
     let mut outputs = pipeline.render_with_loras(&[request], set, &Default::default(), &mut |_| std::ops::ControlFlow::Continue(())).expect("render");
-    outputs.remove(0).images.iter().map(|image| rgb(&image.png)).collect()
+    outputs.remove(0).images.into_iter().map(|image| image.rgb).collect()
 }
 
 /// A PNG's pixels, 8-bit RGB.

@@ -19,6 +19,45 @@ pub fn to_rgb8(chw: &[f32], width: usize, height: usize) -> Vec<u8> {
     rgb
 }
 
+/// How a request's images were made: what their PNGs say, less each image's own seed, index and
+/// size ([`Recipe::meta`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Recipe {
+    pub prompt: String,
+    /// `None` for an empty one too.
+    pub negative_prompt: Option<String>,
+    pub steps: u32,
+    pub guidance: f32,
+    pub model: String,
+}
+
+impl Recipe {
+    pub fn of(req: &super::RenderRequest, model: &str) -> Self {
+        Self {
+            prompt: req.prompt.clone(),
+            negative_prompt: req.negative_prompt.clone().filter(|n| !n.is_empty()),
+            steps: req.steps,
+            guidance: req.guidance,
+            model: model.to_owned(),
+        }
+    }
+
+    /// The whole of one image's PNG text.
+    pub fn meta(&self, seed: u64, index: u32, width: u32, height: u32) -> ImageMeta<'_> {
+        ImageMeta {
+            prompt: &self.prompt,
+            negative_prompt: self.negative_prompt.as_deref(),
+            steps: self.steps,
+            guidance: self.guidance,
+            seed,
+            index,
+            width,
+            height,
+            model: &self.model,
+        }
+    }
+}
+
 /// What a PNG says about how it was made.
 #[derive(Debug, Clone)]
 pub struct ImageMeta<'a> {
@@ -77,7 +116,7 @@ pub fn encode_png(rgb: &[u8], meta: &ImageMeta<'_>) -> Result<Vec<u8>, png::Enco
         encoder.set_color(png::ColorType::Rgb);
         encoder.set_depth(png::BitDepth::Eight);
         // fdeflate's PNG-tuned level: several times faster than the default (Balanced) for files
-        // a little larger, and the encoding runs on the render's thread between GPU stages.
+        // a little larger; a job's images are encoded while the next job renders.
         encoder.set_compression(png::Compression::Fast);
         for (key, text) in meta.entries() {
             if text.chars().all(|c| u32::from(c) <= 0xFF) {

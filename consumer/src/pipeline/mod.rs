@@ -1,4 +1,4 @@
-//! The SDXL render pipeline on ONNX Runtime: text to PNG, proven against diffusers.
+//! The SDXL render pipeline on ONNX Runtime: text to images (PNG when stored), proven against diffusers.
 //!
 //! A [`Pipeline`] loads a model folder in Hugging Face Optimum's SDXL ONNX layout once and then
 //! renders [`RenderRequest`]s. It knows nothing of NATS, budgets or storage: the worker calls
@@ -45,6 +45,7 @@ mod vae;
 
 use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
@@ -239,13 +240,30 @@ impl VaeDecode {
     }
 }
 
+/// One rendered image, as pixels. A render ends with its last decode: the PNG is made where the
+/// image is stored ([`RenderedImage::encode_png`]), so the encoding (tens of milliseconds an image
+/// on a CPU core) runs beside the next render instead of holding the GPU's slot.
 #[derive(Debug, Clone)]
 pub struct RenderedImage {
     pub index: u32,
     pub seed: u64,
     pub width: u32,
     pub height: u32,
-    pub png: Vec<u8>,
+    /// Interleaved RGB, 8 bits a channel, `[height, width, 3]`.
+    pub rgb: Vec<u8>,
+    /// What the PNG's text says of how it was made; shared by the request's images.
+    pub recipe: Arc<image::Recipe>,
+}
+
+impl RenderedImage {
+    /// The image as a PNG carrying its parameters (`image::encode_png`).
+    ///
+    /// # Errors
+    /// The PNG encoder's error ([`RenderError::Png`]).
+    pub fn encode_png(&self) -> Result<Vec<u8>, RenderError> {
+        let meta = self.recipe.meta(self.seed, self.index, self.width, self.height);
+        Ok(image::encode_png(&self.rgb, &meta)?)
+    }
 }
 
 /// Wall time per stage, summed over sub-batches.
@@ -254,13 +272,12 @@ pub struct StageTimings {
     pub text_encode: Duration,
     pub unet: Duration,
     pub vae: Duration,
-    pub png: Duration,
 }
 
 impl StageTimings {
     /// The render's whole time in the stages (what is outside them is bookkeeping).
     pub fn total(&self) -> Duration {
-        self.text_encode + self.unet + self.vae + self.png
+        self.text_encode + self.unet + self.vae
     }
 }
 
@@ -676,6 +693,7 @@ impl Pipeline {
         let all: Vec<(usize, u32)> =
             reqs.iter().enumerate().flat_map(|(r, req)| req.image_indices.iter().map(move |&i| (r, i))).collect();
         let mut images: Vec<Vec<RenderedImage>> = reqs.iter().map(|r| Vec::with_capacity(r.image_indices.len())).collect();
+        let recipes: Vec<Arc<image::Recipe>> = reqs.iter().map(|req| Arc::new(image::Recipe::of(req, &self.info.name))).collect();
         let mut done = 0usize;
         for chunk in all.chunks(first.max_batch) {
             let n = chunk.len();
@@ -733,7 +751,6 @@ impl Pipeline {
                 )?;
                 timings.vae += started.elapsed();
 
-                let started = Instant::now();
                 if (decoded.width, decoded.height) != (req.width as usize, req.height as usize) {
                     return Err(RenderError::Output {
                         stage: Stage::Vae,
@@ -741,23 +758,11 @@ impl Pipeline {
                     });
                 }
                 let rgb = image::to_rgb8(&decoded.chw, decoded.width, decoded.height);
-                let meta = image::ImageMeta {
-                    prompt: &req.prompt,
-                    negative_prompt: req.negative_prompt.as_deref().filter(|n| !n.is_empty()),
-                    steps: req.steps,
-                    guidance: req.guidance,
-                    seed: req.seed,
-                    index,
-                    width: req.width,
-                    height: req.height,
-                    model: &self.info.name,
-                };
-                let png = image::encode_png(&rgb, &meta)?;
-                timings.png += started.elapsed();
                 if let Some(t) = trace.as_deref_mut() {
-                    t.images_rgb.push(rgb);
+                    t.images_rgb.push(rgb.clone());
                 }
-                images[r].push(RenderedImage { index, seed: req.seed, width: req.width, height: req.height, png });
+                let recipe = recipes[r].clone();
+                images[r].push(RenderedImage { index, seed: req.seed, width: req.width, height: req.height, rgb, recipe });
             }
             done += n;
         }

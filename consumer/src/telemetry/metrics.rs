@@ -117,7 +117,7 @@ fn describe() {
     describe_counter!(SESSION_REBUILDS_TOTAL, Unit::Count, "Times the leak guard rebuilt the ONNX Runtime sessions.");
     describe_histogram!(QUEUE_WAIT_SECONDS, Unit::Seconds, "Time from publish to fetch, by priority.");
     describe_histogram!(RENDER_SECONDS, Unit::Seconds, "Time to render one job's images, by class.");
-    describe_histogram!(UPLOAD_SECONDS, Unit::Seconds, "Time to upload one job's images, retries included.");
+    describe_histogram!(UPLOAD_SECONDS, Unit::Seconds, "Time to encode one job's images as PNG and upload them, retries included.");
     describe_gauge!(BUDGET_FREE_BYTES, Unit::Bytes, "GPU memory budget not yet promised to jobs.");
     describe_gauge!(BUDGET_USED_BYTES, Unit::Bytes, "GPU memory budget promised to running jobs.");
     describe_gauge!(GPU_MEMORY_USED_BYTES, Unit::Bytes, "GPU memory in use on the card (NVML), every process; with [budget] max_mib, this worker's in its share.");
@@ -189,7 +189,7 @@ pub fn render_time(class: SubjectClass, took: Duration) {
     histogram!(RENDER_SECONDS, "class" => class.as_str()).record(took.as_secs_f64());
 }
 
-/// Records one job's upload time.
+/// Records one job's upload time, its PNG encoding included.
 pub fn upload_time(took: Duration) {
     histogram!(UPLOAD_SECONDS).record(took.as_secs_f64());
 }

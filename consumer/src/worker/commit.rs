@@ -31,7 +31,7 @@ use shotfleet_schema::encoding::{self, ContentType};
 use shotfleet_schema::validate::{MAX_ID_BYTES, MAX_PROJECT_BYTES, id_problem};
 use shotfleet_schema::{Failure, ImageRef, ResultStatus, ShotJob, ShotResult, Timing, subject};
 
-use crate::failure::JobError;
+use crate::failure::{JobError, classify_render};
 use crate::faults;
 use crate::pipeline::RenderedImage;
 use crate::worker::Shared;
@@ -149,18 +149,34 @@ pub async fn sweep(shared: &Shared, project: &str, job_id: &str, keep: &[ImageRe
     shared.store.sweep_job(project, job_id, &keep).await.map_err(|e| JobError::store("sweep the job's objects", &e))
 }
 
-/// Uploads a job's images to their content-addressed keys.
+/// A job's images as stored, and the time their PNG encoding took.
+pub struct Uploaded {
+    pub images: Vec<ImageRef>,
+    /// The encodings' wall time: they run side by side, one blocking thread each.
+    pub png: Duration,
+}
+
+/// Encodes a job's images as PNGs (off the render's slot: the next job renders meanwhile) and
+/// uploads them to their content-addressed keys.
 ///
 /// # Errors
-/// The store's failure, as a [`JobError`].
-pub async fn upload(shared: &Shared, job: &ShotJob, images: Vec<RenderedImage>) -> Result<Vec<ImageRef>, JobError> {
-    let mut refs = Vec::with_capacity(images.len());
-    for image in images {
-        let png = if shared.config.faults.mark_images {
-            faults::add_png_text(&image.png, "shotfleet-worker", &shared.config.worker_id)
-        } else {
-            image.png
-        };
+/// The store's failure, as a [`JobError`]; an image the encoder refused, as its render error.
+pub async fn upload(shared: &Shared, job: &ShotJob, images: Vec<RenderedImage>) -> Result<Uploaded, JobError> {
+    let started = std::time::Instant::now();
+    let encodings = images.into_iter().map(|image| {
+        tokio::task::spawn_blocking(move || {
+            let png = image.encode_png();
+            (image, png)
+        })
+    });
+    let encoded = futures::future::try_join_all(encodings)
+        .await
+        .map_err(|e| JobError::transient(format!("PNG encoding task failed: {e}")))?;
+    let png_time = started.elapsed();
+    let mut refs = Vec::with_capacity(encoded.len());
+    for (image, png) in encoded {
+        let png = png.map_err(|e| JobError::new(classify_render(&e), format!("encode image {} as PNG: {e}", image.index)))?;
+        let png = if shared.config.faults.mark_images { faults::add_png_text(&png, "shotfleet-worker", &shared.config.worker_id) } else { png };
         let stored = shared
             .store
             .put_image(&job.project, &job.job_id, &job.shot_id, image.index, png)
@@ -176,7 +192,7 @@ pub async fn upload(shared: &Shared, job: &ShotJob, images: Vec<RenderedImage>) 
             sha256: stored.sha256,
         });
     }
-    Ok(refs)
+    Ok(Uploaded { images: refs, png: png_time })
 }
 
 /// Whether the job's project and id make a result subject (they do once validated; a job

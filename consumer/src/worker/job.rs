@@ -245,8 +245,8 @@ pub(crate) async fn commit_output(shared: &Shared, taken: &Taken, output: Render
     let (delivery, job) = (&taken.delivery, taken.job());
     let upload_started = Instant::now();
     let stages = output.timings;
-    let images = match commit::upload(shared, job, output.images).await {
-        Ok(images) => images,
+    let uploaded = match commit::upload(shared, job, output.images).await {
+        Ok(uploaded) => uploaded,
         Err(e) => return Handled::Stopped(e),
     };
     telemetry::upload_time(upload_started.elapsed());
@@ -260,7 +260,7 @@ pub(crate) async fn commit_output(shared: &Shared, taken: &Taken, output: Render
     }
     let status = if job.degrade.is_some() { ResultStatus::Degraded } else { ResultStatus::Done };
     let mut result = commit::outcome_of(shared, job, delivery.attempt, delivery.queued, status, None);
-    result.images = images;
+    result.images = uploaded.images;
     result.timing.render_ms = elapsed.as_millis() as u64;
     result.timing.upload_ms = upload_started.elapsed().as_millis() as u64;
     let handled = match commit::claim(shared, &result, taken.last_outcome, delivery.stream_sequence).await {
@@ -272,7 +272,7 @@ pub(crate) async fn commit_output(shared: &Shared, taken: &Taken, output: Render
                 text_ms = stages.text_encode.as_millis() as u64,
                 unet_ms = stages.unet.as_millis() as u64,
                 vae_ms = stages.vae.as_millis() as u64,
-                png_ms = stages.png.as_millis() as u64,
+                png_ms = uploaded.png.as_millis() as u64,
                 upload_ms = result.timing.upload_ms,
                 "job done"
             );

@@ -15,6 +15,7 @@ use tracing::{info, warn};
 
 use crate::budget::{MIB, Measured, Reservation, Shape};
 use crate::failure::{ErrorKind, JobError, classify_render};
+use crate::pipeline::image::Recipe;
 use crate::pipeline::lora::ResidentSet;
 use crate::pipeline::{CancelHandle, RenderControl, RenderError, RenderOutput, RenderRequest, RenderedImage, Stage, VaeDecode};
 use crate::telemetry;
@@ -254,10 +255,11 @@ async fn render_once(
     }
 }
 
-/// Fault injection's skipped render: the job's images as placeholders.
+/// Fault injection's skipped render: the job's images as placeholders, one black pixel each.
 fn placeholder(job: &ShotJob) -> RenderOutput {
+    let recipe = Arc::new(Recipe::of(&render_request(job, 1), "placeholder (noop_render)"));
     let images = (0..job.images)
-        .map(|index| RenderedImage { index, seed: job.seed, width: 1, height: 1, png: crate::faults::PLACEHOLDER_PNG.to_vec() })
+        .map(|index| RenderedImage { index, seed: job.seed, width: 1, height: 1, rgb: vec![0; 3], recipe: recipe.clone() })
         .collect();
     RenderOutput { images, timings: Default::default() }
 }
