@@ -307,3 +307,28 @@ async fn the_next_render_starts_while_a_rendered_job_uploads() {
     assert_eq!(rendered_before.len(), 2, "both renders ended before the first commit:\n{log}");
 }
 
+/// The same for jobs rendered together (`batch_jobs`): the render slot is given back when the
+/// group's render ends, so the next group renders while this one's images encode and upload.
+#[tokio::test]
+async fn the_next_group_renders_while_a_rendered_group_uploads() {
+    let server = NatsServer::start();
+    let js = jetstream_with(&server.url(), &Topology::default()).await;
+    let s3 = S3Server::start();
+    s3.create_bucket("renders");
+    let proxy = TcpProxy::start(&s3.endpoint());
+    // Queued before the worker starts: its fetches take two compatible jobs at a time.
+    let shots: Vec<_> = (1..=4).map(|i| shot(Priority::P1, job(&format!("group-{i}"), "acme", (256, 256), 2, 1))).collect();
+    submit(&js, &shots).await;
+    let scratch = tempfile::tempdir().unwrap();
+    let mut spec = WorkerSpec::new("group-overlap", scratch.path()).on_s3(&proxy.endpoint(), 60_000);
+    spec.top = "batch_jobs = 2".into();
+    proxy.throttle(Some(64 * 1024));
+    let worker = Worker::start(&server.url(), spec);
+    let done = results(&outcomes(&js, &shots, Duration::from_secs(120)).await);
+    assert_eq!(done.len(), 4);
+    let log = worker.log();
+    let lines: Vec<&str> = log.lines().collect();
+    let first_done = lines.iter().position(|l| l.contains("job done")).unwrap_or_else(|| panic!("{log}"));
+    let groups_before = lines[..first_done].iter().filter(|l| l.contains("rendered a group")).count();
+    assert_eq!(groups_before, 2, "both groups rendered before the first commit:\n{log}");
+}

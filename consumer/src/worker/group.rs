@@ -19,9 +19,10 @@ use crate::pipeline::{CancelHandle, RenderControl, RenderRequest};
 use crate::telemetry;
 use crate::worker::Shared;
 use crate::worker::delivery::Delivery;
-use crate::worker::job::{self, Next, Taken, commit_output, finish, render_and_commit};
+use crate::worker::Slot;
+use crate::worker::job::{self, Next, Taken, commit_output, finish};
 use crate::worker::progress::{self, Reporter};
-use crate::worker::render::{AbortOnDrop, render_request, stop_at};
+use crate::worker::render::{AbortOnDrop, Rendered, render_request, stop_at};
 
 /// Jobs that can share UNet batches: one schedule, one guidance scale, one image size, one LoRA
 /// set (every render of a batch binds the same weights).
@@ -52,8 +53,11 @@ fn resident_first<T>(groups: impl IntoIterator<Item = Vec<T>>, resident: impl Fn
 
 /// Handles deliveries fetched together: each to the end, compatible ones rendered as one group.
 /// Every member is kept alive from the moment it is taken until it is settled, also while it
-/// waits for the others.
-pub async fn handle(shared: Arc<Shared>, deliveries: Vec<Delivery>) {
+/// waits for the others. What is rendered commits beside the renders that follow (as many
+/// commits at once as renders), and the render `slot` is given back after the last render, not
+/// after the last commit: the next jobs render while these upload, as a job alone does
+/// ([`job::render_and_commit`]).
+pub(crate) async fn handle(shared: Arc<Shared>, deliveries: Vec<Delivery>, slot: Slot) {
     let _in_flight: Vec<_> = deliveries.iter().map(|_| telemetry::in_flight()).collect();
     let mut groups: BTreeMap<Compatible, Vec<Taken>> = BTreeMap::new();
     for delivery in deliveries {
@@ -63,35 +67,66 @@ pub async fn handle(shared: Arc<Shared>, deliveries: Vec<Delivery>) {
             Next::Settle(handled) => finish(&shared, &taken, handled).await,
         }
     }
+    let mut commits = Vec::new();
     for members in resident_first(groups.into_values(), |taken: &Taken| shared.loras.is_resident(taken.set.as_ref())) {
-        if members.len() == 1 || !render_together(&shared, &members).await {
-            for taken in &members {
-                let handled = render_and_commit(&shared, taken, None).await;
-                finish(&shared, taken, handled).await;
+        let members = match members.len() {
+            1 => members,
+            _ => match render_together(&shared, members).await {
+                Ok(rendered) => {
+                    commits.push(committing(&shared, rendered).await);
+                    continue;
+                }
+                Err(members) => members,
+            },
+        };
+        for taken in members {
+            match job::render_taken(&shared, &taken).await {
+                Ok(rendered) => commits.push(committing(&shared, vec![(taken, rendered)]).await),
+                Err(handled) => finish(&shared, &taken, handled).await,
             }
+        }
+    }
+    drop(slot);
+    for commit in commits {
+        if let Err(e) = commit.await {
+            warn!(error = %e, "a commit task of the group ended abnormally");
         }
     }
 }
 
-/// Renders the members in shared batches with their set, and commits and settles each. `false`
-/// when nothing was rendered (no room for the group, its set not placed, or the shared render
-/// failed): the caller renders them one by one, each settling its own error.
-async fn render_together(shared: &Arc<Shared>, members: &[Taken]) -> bool {
+/// Commits and settles rendered jobs in order, in a task of their own once a commit permit is
+/// free (the permit bounds what waits rendered, as in [`job::render_and_commit`]).
+async fn committing(shared: &Arc<Shared>, rendered: Vec<(Taken, Rendered)>) -> tokio::task::JoinHandle<()> {
+    let permit = shared.commits.clone().acquire_owned().await;
+    let shared = shared.clone();
+    tokio::spawn(async move {
+        let _committing = permit;
+        for (taken, Rendered { output, elapsed }) in rendered {
+            let handled = commit_output(&shared, &taken, output, elapsed).await;
+            finish(&shared, &taken, handled).await;
+        }
+    })
+}
+
+/// Renders the members in shared batches with their set, each member with its own output. The
+/// members back when nothing was rendered (no room for the group, its set not placed, or the
+/// shared render failed): the caller renders them one by one, each settling its own error.
+async fn render_together(shared: &Arc<Shared>, members: Vec<Taken>) -> Result<Vec<(Taken, Rendered)>, Vec<Taken>> {
     let first = members[0].job();
     let images: u32 = members.iter().map(|taken| taken.job().images).sum();
     let Ok(pending) = shared.loras.pending(shared, members[0].set.as_ref()).await else {
-        return false;
+        return Err(members);
     };
     let Ok(Some(mut reservation)) = shared.budget.reserve(first.width, first.height, images, pending.bytes()) else {
-        return false;
+        return Err(members);
     };
     let Ok(set) = shared.loras.place(shared, pending, &mut reservation).await else {
-        return false;
+        return Err(members);
     };
     let requests: Vec<RenderRequest> = members.iter().map(|taken| render_request(taken.job(), images)).collect();
     let control = RenderControl { cancel: CancelHandle::new(), ..RenderControl::default() };
     let timed_out = Arc::new(AtomicBool::new(false));
-    let (any_settled, _watching) = any_settled(members);
+    let (any_settled, _watching) = any_settled(&members);
     let stopper = stop_at(shared, Instant::now() + shared.config.job_time_limit, &control.cancel, &timed_out, &any_settled);
     let mut offset = 0;
     let (steps, _publishers): (Vec<_>, Vec<_>) = members
@@ -115,17 +150,13 @@ async fn render_together(shared: &Arc<Shared>, members: &[Taken]) -> bool {
         Ok(Ok(outputs)) => outputs,
         Ok(Err(e)) if !timed_out.load(Ordering::Relaxed) && !shared.abort.is_cancelled() => {
             warn!(jobs = members.len(), error = %e, "rendering the group failed; rendering its jobs one by one");
-            return false;
+            return Err(members);
         }
-        _ => return false,
+        _ => return Err(members),
     };
     let elapsed = started.elapsed();
     info!(jobs = members.len(), images, width = first.width, height = first.height, elapsed_ms = elapsed.as_millis() as u64, "rendered a group");
-    for (taken, output) in members.iter().zip(outputs) {
-        let handled = commit_output(shared, taken, output, elapsed).await;
-        finish(shared, taken, handled).await;
-    }
-    true
+    Ok(members.into_iter().zip(outputs).map(|(taken, output)| (taken, Rendered { output, elapsed })).collect())
 }
 
 /// A token that fires when any member is settled elsewhere (a cancellation): the shared render

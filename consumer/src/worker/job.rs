@@ -202,16 +202,25 @@ fn decode(shared: &Shared, delivery: &Delivery) -> Result<ShotJob, Box<Rejected>
 /// handed over for a commit permit once the render is done: the next job renders while this
 /// one uploads and commits.
 pub(crate) async fn render_and_commit(shared: &Arc<Shared>, taken: &Taken, slot: Option<Slot>) -> Handled {
-    if let Some(settled) = settled_elsewhere(shared, taken).await {
-        return settled;
-    }
-    match render_job(shared, taken).await {
+    match render_taken(shared, taken).await {
         Ok(Rendered { output, elapsed }) => {
             let _committing = shared.commits.clone().acquire_owned().await;
             drop(slot);
             commit_output(shared, taken, output, elapsed).await
         }
-        Err(error) => settled_elsewhere(shared, taken).await.unwrap_or(Handled::Stopped(error)),
+        Err(handled) => handled,
+    }
+}
+
+/// Renders a taken job on its own: its images, or how it ended instead (settled elsewhere, by a
+/// cancellation before or during the render, or the render's error).
+pub(crate) async fn render_taken(shared: &Arc<Shared>, taken: &Taken) -> Result<Rendered, Handled> {
+    if let Some(settled) = settled_elsewhere(shared, taken).await {
+        return Err(settled);
+    }
+    match render_job(shared, taken).await {
+        Ok(rendered) => Ok(rendered),
+        Err(error) => Err(settled_elsewhere(shared, taken).await.unwrap_or(Handled::Stopped(error))),
     }
 }
 

@@ -535,10 +535,7 @@ impl Fetching<'_> {
         self.tracker.spawn(async move {
             match <[_; 1]>::try_from(batch) {
                 Ok([delivery]) => job::handle(shared, delivery, Some(slot)).await,
-                Err(batch) => {
-                    group::handle(shared, batch).await;
-                    drop(slot);
-                }
+                Err(batch) => group::handle(shared, batch, slot).await,
             }
         });
     }
