@@ -131,7 +131,8 @@ class WorkerLog:
                 out.setdefault("class_plan_mib", {})[str(f.get("class"))] = f.get("planned_mib")
             elif x["message"] == "probe render":
                 out.setdefault("probe_renders", []).append(
-                    {k: f.get(k) for k in ("width", "height", "images")} | {"peak_mib": r(f.get("peak_mib"), 1)})
+                    {k: f.get(k) for k in ("width", "height", "images")} | {"peak_mib": r(f.get("peak_mib"), 1)}
+                    | ({"first_render_mib": r(f["first_render_mib"], 1)} if f.get("first_render_mib") is not None else {}))
         return out
 
     def problems(self, limit: int = 20) -> list[str]:

@@ -46,7 +46,7 @@ def probes(log) -> list[dict]:
         if x["message"] in outcome:
             f = x["fields"]
             row = {"shape": f"{f.get('width')}x{f.get('height')}x{f.get('images')}", "outcome": outcome[x["message"]]}
-            for key in ("peak_mib", "planned_mib", "room_mib", "ceiling"):
+            for key in ("peak_mib", "first_render_mib", "planned_mib", "room_mib", "ceiling"):
                 if key in f:
                     row[key] = f[key]
             out.append(row)

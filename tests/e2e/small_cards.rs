@@ -53,6 +53,10 @@ async fn a_probe_that_runs_out_of_memory_is_the_cards_ceiling_and_the_worker_ser
     let log = worker.log();
     assert!(log.contains("probe ran out of memory"), "{log}");
     assert!(log.contains("probe skipped: past a probe that ran out of memory"), "1024x1024 is not tried:\n{log}");
+    // Each size that fits measured on its second render, after a priming one.
+    let measured: Vec<&str> = log.lines().filter(|l| l.contains("probe render ")).collect();
+    assert_eq!(measured.len(), 3, "128, 256 and 512 measured:\n{log}");
+    assert!(measured.iter().all(|l| l.contains("first_render_mib")), "{log}");
     assert!(log.contains("calibration not stored"), "{log}");
     let (status, body) = readyz(&worker);
     assert_eq!(status, 200, "{body}");

@@ -45,9 +45,18 @@ pub(crate) async fn calibrate(
             continue;
         }
         match warm_probe(pipeline, meter, shape, config.calibration.steps, cold).await? {
-            Ok(render) => {
+            Ok((render, first)) => {
                 let mib = |bytes: u64| bytes as f64 / budget::MIB as f64;
-                info!(width = w, height = h, images = n, peak_mib = mib(render.peak), above_models_mib = mib(render.above_models), floor_mib = mib(render.floor), "probe render");
+                info!(
+                    width = w,
+                    height = h,
+                    images = n,
+                    peak_mib = mib(render.peak),
+                    first_render_mib = first.map(mib),
+                    above_models_mib = mib(render.above_models),
+                    floor_mib = mib(render.floor),
+                    "probe render"
+                );
                 calibration.measured(shape, render.peak);
             }
             Err(error) if classify_render(&error) == ErrorKind::Oom => {
@@ -82,18 +91,24 @@ pub(crate) async fn calibrate(
 /// job of a size the fleet probed is never its size's first render. So a one-step render primes
 /// the shape first (an out-of-memory there is the probe's own), and the measured render is the
 /// second. Probes that keep their arenas (`[calibration] cold = false`) are not primed: a second
-/// render would find the first's memory cached and read no growth.
+/// render would find the first's memory cached and read no growth. With the measured render
+/// comes the priming one's need (logged as `first_render_mib`: what a size's first job needs).
 async fn warm_probe(
     pipeline: &Arc<Pipeline>,
     meter: &Arc<PeakMeter>,
     shape: Shape,
     steps: u32,
     cold: bool,
-) -> Result<Result<ProbeRender, RenderError>, WorkerError> {
-    if cold && let Err(error) = probe_render(pipeline, meter, shape, 1, true).await? {
-        return Ok(Err(error));
-    }
-    probe_render(pipeline, meter, shape, steps, cold).await
+) -> Result<Result<(ProbeRender, Option<u64>), RenderError>, WorkerError> {
+    let first = if cold {
+        match probe_render(pipeline, meter, shape, 1, true).await? {
+            Ok(primed) => Some(primed.peak),
+            Err(error) => return Ok(Err(error)),
+        }
+    } else {
+        None
+    };
+    Ok(probe_render(pipeline, meter, shape, steps, cold).await?.map(|render| (render, first)))
 }
 
 fn log_skip(shape: Shape, outcome: ProbeOutcome) {
