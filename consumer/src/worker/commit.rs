@@ -163,10 +163,12 @@ pub struct Uploaded {
 /// The store's failure, as a [`JobError`]; an image the encoder refused, as its render error.
 pub async fn upload(shared: &Shared, job: &ShotJob, images: Vec<RenderedImage>) -> Result<Uploaded, JobError> {
     let started = std::time::Instant::now();
+    // Each task keeps what the image's reference needs and drops its pixels once encoded.
     let encodings = images.into_iter().map(|image| {
         tokio::task::spawn_blocking(move || {
             let png = image.encode_png();
-            (image, png)
+            let RenderedImage { index, seed, width, height, .. } = image;
+            (index, seed, width, height, png)
         })
     });
     let encoded = futures::future::try_join_all(encodings)
@@ -174,20 +176,20 @@ pub async fn upload(shared: &Shared, job: &ShotJob, images: Vec<RenderedImage>) 
         .map_err(|e| JobError::transient(format!("PNG encoding task failed: {e}")))?;
     let png_time = started.elapsed();
     let mut refs = Vec::with_capacity(encoded.len());
-    for (image, png) in encoded {
-        let png = png.map_err(|e| JobError::new(classify_render(&e), format!("encode image {} as PNG: {e}", image.index)))?;
+    for (index, seed, width, height, png) in encoded {
+        let png = png.map_err(|e| JobError::new(classify_render(&e), format!("encode image {index} as PNG: {e}")))?;
         let png = if shared.config.faults.mark_images { faults::add_png_text(&png, "shotfleet-worker", &shared.config.worker_id) } else { png };
         let stored = shared
             .store
-            .put_image(&job.project, &job.job_id, &job.shot_id, image.index, png)
+            .put_image(&job.project, &job.job_id, &job.shot_id, index, png)
             .await
-            .map_err(|e| JobError::store(&format!("upload image {}", image.index), &e))?;
+            .map_err(|e| JobError::store(&format!("upload image {index}"), &e))?;
         refs.push(ImageRef {
             key: stored.key,
-            index: image.index,
-            seed: image.seed,
-            width: image.width,
-            height: image.height,
+            index,
+            seed,
+            width,
+            height,
             bytes: stored.bytes,
             sha256: stored.sha256,
         });
