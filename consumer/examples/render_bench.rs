@@ -44,8 +44,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         };
         // One warm-up render: ONNX Runtime plans memory and picks kernels on the first run.
         pipeline.render(&request, &mut |_| ControlFlow::Continue(()))?;
-        // (the render with the PNG encoding, its stages, the encoding: the worker encodes while
-        // the next job renders)
+        // Per run: the whole (render and PNG encoding, as diffusers' figure has it), the render's
+        // stages, and the encoding alone (the worker does it while the next job renders).
         let mut samples: Vec<(Duration, StageTimings, Duration)> = Vec::with_capacity(runs);
         for _ in 0..runs {
             let started = Instant::now();

@@ -85,10 +85,8 @@ pub(crate) async fn calibrate(
 ///
 /// A shape's first render needs more than every later one: ONNX Runtime allocates its tensors
 /// one by one while it records the shape's memory pattern, and later runs allocate the recorded
-/// plan as one block. On the H200 (deploy/gpu/RESULTS.md, 1,000 jobs on 2026-12-02) probes
-/// measured on their first render needed 10-27% more than every later render of their size at
-/// one image and 20-45% more at two and four, so the estimate over-predicted every shape; a
-/// job of a size the fleet probed is never its size's first render. So a one-step render primes
+/// plan as one block (how much more: deploy/gpu/RESULTS.md, "the probes were first renders").
+/// A job of a size the fleet probed is never its size's first render, so a one-step render primes
 /// the shape first (an out-of-memory there is the probe's own), and the measured render is the
 /// second. Probes that keep their arenas (`[calibration] cold = false`) are not primed: a second
 /// render would find the first's memory cached and read no growth. With the measured render

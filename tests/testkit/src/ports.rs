@@ -23,8 +23,9 @@ const LOWEST: u16 = 20_000;
 
 /// A port nobody listens on, reserved for this process until it exits.
 pub fn free_port() -> u16 {
-    let highest = ephemeral_start().saturating_sub(1);
-    assert!(highest > LOWEST + 1_000, "the ephemeral port range starts at {highest}: too low to draw test ports below it");
+    let ephemeral = ephemeral_start();
+    assert!(ephemeral > LOWEST + 1_000, "the ephemeral port range starts at {ephemeral}: too low to draw test ports below it");
+    let highest = ephemeral - 1;
     let span = u64::from(highest - LOWEST);
     let start = RandomState::new().hash_one(std::process::id()) % span;
     let dir = lock_dir();
