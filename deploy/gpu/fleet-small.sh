@@ -269,8 +269,11 @@ long_beside() { [ "${SMALL_PARALLEL:-0}" = 1 ] && [ -n "${LONG_SHARE_MIB:-}" ]; 
 
 # The long run's parts, a letter each: LONG_PARTS (2, at most 6) slices of its jobs.
 long_parts() {
-    local letters=abcdef
-    echo "${letters:0:${LONG_PARTS:-2}}" | grep -o .
+    local letters=abcdef parts=${LONG_PARTS:-2}
+    case "$parts" in
+        [1-6]) echo "${letters:0:$parts}" | grep -o . ;;
+        *) echo "LONG_PARTS must be 1 to 6, not '$parts'" >&2; return 2 ;;
+    esac
 }
 
 # long_wait PID...: until LONG_READY (if set) says 0 and the PIDs have ended. Prints why not and

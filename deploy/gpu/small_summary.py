@@ -215,8 +215,7 @@ def long(runs: list[dict]) -> dict:
                        "hog": hog, "hog_error": meta.get("hog_error"), "share_mib": meta.get("share_mib"),
                        "waited_s": meta.get("waited_s"), "beside": meta.get("parallel"), "worker_exit": meta.get("worker_exit"),
                        "error": run.get("error"), "note": m.get("note") or run.get("note")})
-        for x in log.with_message("observed peak"):
-            f = x["fields"]
+        for f in peaks:
             key = f"{f.get('width')}x{f.get('height')}x{f.get('images')}"
             s = shapes.setdefault(key, {"shape": key, "renders": 0, "cold": 0, "first_error": None, "errors": [],
                                         "max_peak_over_planned": 0.0, "max_held_at_start_mib": 0})
