@@ -172,7 +172,7 @@ def pair(run: dict) -> dict:
     return out
 
 
-# A rise of the floor this large between two renders is a step worth naming (2026-12-02: 588 MiB, twice).
+# A rise of the floor this large across one render is a step worth naming (RESULTS.md: the floor steps of 2026-12-02).
 FLOOR_STEP_MIB = 256
 
 
