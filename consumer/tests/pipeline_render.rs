@@ -123,3 +123,31 @@ fn pipeline_is_send_and_sync() {
     assert_send_sync::<shotfleet_consumer::pipeline::Pipeline>();
     assert_send_sync::<RenderError>();
 }
+
+/// Work given to `spawn_run` runs on the pipeline's own long-lived threads, as many as
+/// `run_threads` says, never more: ONNX Runtime's CUDA provider keeps memory per calling thread
+/// (worker/run_thread.rs), so renders must not wander over new threads.
+#[test]
+fn runs_land_on_the_pipelines_own_threads_and_no_others() {
+    use pipeline_support::{cpu_options, model_dir, require_ort};
+    use shotfleet_consumer::pipeline::{Pipeline, PipelineOptions};
+    use std::sync::{Arc, mpsc};
+
+    require_ort();
+    let pipeline = Arc::new(Pipeline::load(&model_dir(), &PipelineOptions { run_threads: 2, ..cpu_options() }).unwrap());
+    let (done, names) = mpsc::channel();
+    for i in 0..12 {
+        let (done, pipeline) = (done.clone(), pipeline.clone());
+        pipeline.clone().spawn_run(move || {
+            // Every fourth is a real render: the threads run graphs, not only closures.
+            if i % 4 == 0 {
+                pipeline.render(&request(vec![0], 1), &mut go).unwrap();
+            }
+            done.send(std::thread::current().name().map(str::to_owned)).unwrap();
+        });
+    }
+    drop(done);
+    let names: std::collections::BTreeSet<_> = names.iter().map(|name| name.expect("run threads are named")).collect();
+    assert!(names.len() <= 2 && !names.is_empty(), "{names:?}");
+    assert!(names.iter().all(|name| name.starts_with("onnx-run-")), "{names:?}");
+}

@@ -43,8 +43,10 @@ pub struct BudgetConfig {
     /// Every job's render gives its arenas back at its end, so the next one starts from the
     /// models alone and its observed peak is its own: with `concurrency = 1` the estimate then
     /// learns from every job and `shotfleet_estimate_error_ratio{start="cold"}` covers them all.
-    /// Costs the arenas' regrowth per job. Off by default; for measuring the budget on a card
-    /// (the GPU lease's `mixed-1000` run).
+    /// The UNet's arena goes back before the VAE decodes, so a job's peak is the larger of the
+    /// two, not their sum; the calibration probes render the same way. Costs the arenas'
+    /// regrowth per job. Off by default; for measuring the budget on a card (the GPU lease's
+    /// 1,000-job run).
     pub cold_renders: bool,
     /// The most of its card this worker may use, MiB: its models, its renders and `reserve_mib`
     /// together. For sharing one large card between workers (give each its share) or for

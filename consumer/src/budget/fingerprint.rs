@@ -16,8 +16,9 @@ use super::estimate::Estimate;
 /// Bumped when [`Estimate`]'s stored form or what it measures changes; other versions are
 /// recalibrated. 2: four terms, probes from shrunk arenas. 3: five terms, size offsets. 4: needs
 /// above the floor (what the process keeps outside its arenas), not above the models. 5: each
-/// probe measured on its shape's second render (worker/calibrate.rs).
-const FORMAT: u32 = 5;
+/// probe measured on its shape's second render (worker/calibrate.rs). 6: under `[budget]
+/// cold_renders`, probes give the UNet's arena back before the decode, as the jobs do.
+const FORMAT: u32 = 6;
 
 /// What an estimate is valid for.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]

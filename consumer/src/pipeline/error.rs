@@ -83,6 +83,10 @@ pub enum LoadError {
     /// The ONNX Runtime library itself cannot be loaded or initialised.
     #[error("ONNX Runtime library {path}: {detail}")]
     Runtime { path: PathBuf, detail: String },
+
+    /// The threads graph runs go through (`PipelineOptions::run_threads`) cannot be started.
+    #[error("cannot start the pipeline's run threads: {0}")]
+    Threads(String),
 }
 
 /// One render failed.

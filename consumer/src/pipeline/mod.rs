@@ -166,6 +166,12 @@ pub struct PipelineOptions {
     /// shape, so moving them costs a fraction of a second a job (BENCHMARKS.md) and gives a card
     /// their weights back (1.6 GB for SDXL in float16): what lets a 12 GiB card serve at all.
     pub text_encoders_on_cpu: bool,
+    /// How many long-lived threads [`Pipeline::spawn_run`] runs work on (0: one). ONNX
+    /// Runtime's CUDA provider keeps memory per calling thread that it does not give back while
+    /// the session lives (586-602 MiB a thread on an H200, deploy/gpu/RESULTS.md): renders on a
+    /// fixed set of threads pay it once per thread, where a pool whose idle threads exit and
+    /// come back as new ones pays it again each time. A worker sets its `concurrency`.
+    pub run_threads: usize,
 }
 
 impl PipelineOptions {
@@ -370,6 +376,9 @@ pub struct Pipeline {
     lora_maps: lora::WeightMaps,
     /// Which load of the process this is: LoRA sets placed for it are bound to it.
     instance: u64,
+    /// The threads [`Pipeline::spawn_run`] runs work on ([`PipelineOptions::run_threads`]);
+    /// they end with the sessions whose per-thread state they carry.
+    run_threads: rayon::ThreadPool,
 }
 
 /// Counts pipeline loads, so a LoRA set placed for one is never bound by another.
@@ -428,6 +437,11 @@ impl Pipeline {
             ort_version,
             device: options.device.clone(),
         };
+        let run_threads = rayon::ThreadPoolBuilder::new()
+            .num_threads(options.run_threads.max(1))
+            .thread_name(|i| format!("onnx-run-{i}"))
+            .build()
+            .map_err(|e| LoadError::Threads(e.to_string()))?;
         Ok(Pipeline {
             config,
             text,
@@ -440,7 +454,16 @@ impl Pipeline {
             options: options.clone(),
             lora_maps,
             instance: INSTANCES.fetch_add(1, Ordering::Relaxed),
+            run_threads,
         })
+    }
+
+    /// Runs `work` on one of the pipeline's run threads ([`PipelineOptions::run_threads`]),
+    /// queued behind the work already there; returns at once. Every graph run the caller makes
+    /// through it lands on the same few threads for the pipeline's whole life. `work` must not
+    /// panic: a panic there aborts the process (rayon's rule for spawned work), so catch it.
+    pub fn spawn_run(&self, work: impl FnOnce() + Send + 'static) {
+        self.run_threads.spawn(work);
     }
 
     /// Rebuilds every session from the same folder with the same options: the recovery when a

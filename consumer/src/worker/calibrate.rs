@@ -13,7 +13,7 @@ use crate::config::WorkerConfig;
 use crate::failure::{ErrorKind, classify_render};
 use crate::pipeline::{Pipeline, RenderError};
 use crate::worker::WorkerError;
-use crate::worker::startup::{ProbeRender, probe_render, shrink};
+use crate::worker::startup::{ProbeRender, ProbeRuns, probe_render, shrink};
 
 /// Renders the configured probes that fit, smallest first, and fits the estimate to them.
 ///
@@ -30,7 +30,8 @@ pub(crate) async fn calibrate(
 ) -> Result<(Estimate, Calibration), WorkerError> {
     let mut calibration = Calibration::new(config.budget.safety);
     let room_now = || budget::room_now(&config.budget, &**probe, resident).map_err(|e| WorkerError::start("read the GPU", e));
-    let cold = config.calibration.cold;
+    let runs = ProbeRuns::of(config);
+    let cold = runs.cold;
     if cold {
         // Shrunk before the room is read, so the room is the models' alone; every cold probe
         // ends shrunk (probe_render after a render, the out-of-memory arm after a failed one),
@@ -44,7 +45,7 @@ pub(crate) async fn calibrate(
             log_skip(shape, skipped);
             continue;
         }
-        match warm_probe(pipeline, meter, shape, config.calibration.steps, cold).await? {
+        match warm_probe(pipeline, meter, shape, config.calibration.steps, runs).await? {
             Ok((render, first)) => {
                 let mib = |bytes: u64| bytes as f64 / budget::MIB as f64;
                 info!(
@@ -83,30 +84,29 @@ pub(crate) async fn calibrate(
 
 /// One probe, measured on its shape's second render where probes start from shrunk arenas.
 ///
-/// A shape's first render needs more than every later one: ONNX Runtime allocates its tensors
-/// one by one while it records the shape's memory pattern, and later runs allocate the recorded
-/// plan as one block (how much more: deploy/gpu/RESULTS.md, "the probes were first renders").
-/// A job of a size the fleet probed is never its size's first render, so a one-step render primes
-/// the shape first (an out-of-memory there is the probe's own), and the measured render is the
-/// second. Probes that keep their arenas (`[calibration] cold = false`) are not primed: a second
-/// render would find the first's memory cached and read no growth. With the measured render
-/// comes the priming one's need (logged as `first_render_mib`: what a size's first job needs).
+/// A job of a size the fleet probed is never its size's first render, and a first render can
+/// need more: on the H200 (2026-12-02, deploy/gpu/RESULTS.md) two probes of eleven needed 7%
+/// more on their first render than on their second, the others the same. So a one-step render
+/// primes the shape (an out-of-memory there is the probe's own) and the second is measured.
+/// Probes that keep their arenas (`[calibration] cold = false`) are not primed: a second render
+/// would find the first's memory cached and read no growth. With the measured render comes the
+/// priming one's need (logged as `first_render_mib`: what a size's first job needs).
 async fn warm_probe(
     pipeline: &Arc<Pipeline>,
     meter: &Arc<PeakMeter>,
     shape: Shape,
     steps: u32,
-    cold: bool,
+    runs: ProbeRuns,
 ) -> Result<Result<(ProbeRender, Option<u64>), RenderError>, WorkerError> {
-    let first = if cold {
-        match probe_render(pipeline, meter, shape, 1, true).await? {
+    let first = if runs.cold {
+        match probe_render(pipeline, meter, shape, 1, runs).await? {
             Ok(primed) => Some(primed.peak),
             Err(error) => return Ok(Err(error)),
         }
     } else {
         None
     };
-    Ok(probe_render(pipeline, meter, shape, steps, cold).await?.map(|render| (render, first)))
+    Ok(probe_render(pipeline, meter, shape, steps, runs).await?.map(|render| (render, first)))
 }
 
 fn log_skip(shape: Shape, outcome: ProbeOutcome) {

@@ -129,18 +129,19 @@ impl CheckSummary {
 /// [`WorkerError::Start`] when start-up or a check render fails (out of memory included).
 pub async fn check_budget(config: &WorkerConfig, shapes: &[Shape]) -> Result<(Vec<CheckedShape>, CheckSummary), WorkerError> {
     let ready = startup::prepare(config).await?;
+    let runs = startup::ProbeRuns::of(config);
     let mut checked = Vec::with_capacity(shapes.len());
     for &shape in shapes {
         let steps = config.calibration.steps;
-        let first = startup::measure(&ready.pipeline, &ready.meter, shape, steps, true).await?;
+        let first = startup::measure(&ready.pipeline, &ready.meter, shape, steps, runs.with_cold(true)).await?;
         let arenas_mib = ready
             .pipeline
             .arena_stats()
             .into_iter()
             .filter_map(|(graph, stats)| Some((graph, stats?.total_allocated as f64 / MIB as f64)))
             .collect();
-        let known = startup::measure(&ready.pipeline, &ready.meter, shape, steps, true).await?;
-        let again = startup::measure(&ready.pipeline, &ready.meter, shape, steps, false).await?;
+        let known = startup::measure(&ready.pipeline, &ready.meter, shape, steps, runs.with_cold(true)).await?;
+        let again = startup::measure(&ready.pipeline, &ready.meter, shape, steps, runs.with_cold(false)).await?;
         let observed = first.peak as f64;
         let predicted = ready.budget.estimate().need(shape) as f64;
         let planned = ready.budget.planned(shape.width, shape.height, shape.images) as f64;

@@ -23,6 +23,7 @@ use crate::worker::Slot;
 use crate::worker::job::{self, Next, Taken, commit_output, finish};
 use crate::worker::progress::{self, Reporter};
 use crate::worker::render::{AbortOnDrop, Rendered, render_request, stop_at};
+use crate::worker::run_thread::on_run_thread;
 
 /// Jobs that can share UNet batches: one schedule, one guidance scale, one image size, one LoRA
 /// set (every render of a batch binds the same weights).
@@ -140,7 +141,8 @@ async fn render_together(shared: &Arc<Shared>, members: Vec<Taken>) -> Result<Ve
         .unzip();
     let pipeline = shared.pipeline();
     let started = Instant::now();
-    let rendered = tokio::task::spawn_blocking(move || {
+    let runs = pipeline.clone();
+    let rendered = on_run_thread(&runs, move || {
         pipeline.render_with_loras(&requests, set.as_deref(), &control, &mut progress::callback(&steps))
     })
     .await;

@@ -42,6 +42,7 @@ pub mod priority;
 pub mod progress;
 pub mod render;
 pub mod route;
+pub mod run_thread;
 pub mod settle;
 pub mod serving;
 pub mod startup;
@@ -584,7 +585,8 @@ async fn finish_in_flight(tracker: &TaskTracker, grace: Duration, abort: &Cancel
 /// reads the card afresh.
 pub(crate) async fn shrink_arenas(shared: &Arc<Shared>) {
     let pipeline = shared.pipeline();
-    match tokio::task::spawn_blocking(move || pipeline.shrink_arenas()).await {
+    let runs = pipeline.clone();
+    match run_thread::on_run_thread(&runs, move || pipeline.shrink_arenas()).await {
         Ok(Ok(())) => {}
         Ok(Err(e)) => warn!(error = %e, "arena shrink failed"),
         Err(e) => warn!(error = %e, "arena shrink task failed"),

@@ -24,6 +24,7 @@ use crate::worker::commit;
 use crate::worker::delivery::Delivery;
 use crate::worker::job::Taken;
 use crate::worker::progress::{self, Reporter};
+use crate::worker::run_thread::on_run_thread;
 use crate::worker::{Shared, shrink_arenas};
 
 /// How long a job with no room here waits before it is offered again.
@@ -221,7 +222,8 @@ async fn render_once(
     // The pool's sets stay on the device through the render (measured renders run one at a time).
     let sets = shared.loras.device_bytes();
     let gives_arenas_back = shared.config.budget.cold_renders;
-    let outcome = tokio::task::spawn_blocking(move || {
+    let runs = pipeline.clone();
+    let outcome = on_run_thread(&runs, move || {
         let steps: Vec<_> = steps.into_iter().collect();
         let render = || {
             let requests = std::slice::from_ref(&request);

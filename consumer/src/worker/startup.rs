@@ -12,6 +12,7 @@ use tracing::info;
 use crate::budget::{self, Budget, Calibration, ClassReport, FingerprintKey, FingerprintStore, GpuProbe, GpuSnapshot, PeakMeter, Shape};
 use crate::config::{DeviceKind, WorkerConfig};
 use crate::pipeline::{Device, Pipeline, PipelineOptions, RenderError, RenderRequest};
+use crate::worker::run_thread::on_run_thread;
 use crate::worker::{WorkerError, calibrate};
 
 /// The models and the budget, ready to serve.
@@ -67,6 +68,11 @@ pub async fn prepare(config: &WorkerConfig) -> Result<Ready, WorkerError> {
     if let Some(packed) = loaded.unet_packed {
         model_key.push_str(&format!(" (UNet weights {packed})"));
     }
+    if config.budget.cold_renders {
+        // Its probes give the UNet's arena back before the decode, as its jobs do
+        // (ProbeRuns): other needs than a worker that keeps its arenas.
+        model_key.push_str(" (cold renders)");
+    }
     let key = FingerprintKey {
         device: after.device.clone(),
         model: model_key,
@@ -115,7 +121,7 @@ async fn fitness(config: &WorkerConfig, pipeline: &Arc<Pipeline>, meter: &Arc<Pe
     if config.calibration.cold {
         shrink(pipeline).await?;
     }
-    match probe_render(pipeline, meter, Shape::new(w, h, n), config.calibration.steps, config.calibration.cold).await? {
+    match probe_render(pipeline, meter, Shape::new(w, h, n), config.calibration.steps, ProbeRuns::of(config)).await? {
         Ok(_) => Ok(true),
         Err(error) if crate::failure::classify_render(&error) == crate::failure::ErrorKind::Oom => {
             tracing::warn!(error = %error, "the fitness render ran out of memory; calibrating against the room there is now");
@@ -178,35 +184,67 @@ fn pipeline_options(config: &WorkerConfig, before: &GpuSnapshot) -> PipelineOpti
         cpu_arena_max_mem: [config.cpu_arena_max_mib.map(|mib| mib * budget::MIB), share_limit].into_iter().flatten().min(),
         vae_keeps_arena: config.budget.vae_keeps_arena,
         text_encoders_on_cpu,
+        // One per render slot: every render, probe and shrink runs on these (worker/run_thread.rs).
+        run_threads: config.concurrency,
         ..PipelineOptions::default()
     }
 }
 
-/// One probe render of `shape`, returning its peak memory above the models. `cold`: the arenas
-/// are shrunk first, so the probe starts from the models alone and its peak is its own (an
-/// arena holding a smaller probe's regions would add them to a larger one's). The render itself
-/// runs as a job's does, every graph keeping its arena to the end: the peak is the text
-/// encoders', the UNet's and the VAE's arenas together, as a worker's first job of the shape.
-pub(crate) async fn measure(pipeline: &Arc<Pipeline>, meter: &Arc<PeakMeter>, shape: Shape, steps: u32, cold: bool) -> Result<ProbeRender, WorkerError> {
-    if cold {
+/// One probe render of `shape`, returning its peak memory above the models. `runs.cold`: the
+/// arenas are shrunk first, so the probe starts from the models alone and its peak is its own
+/// (an arena holding a smaller probe's regions would add them to a larger one's). The render
+/// itself runs as a job's does ([`probe_render`]), as a worker's first job of the shape.
+pub(crate) async fn measure(pipeline: &Arc<Pipeline>, meter: &Arc<PeakMeter>, shape: Shape, steps: u32, runs: ProbeRuns) -> Result<ProbeRender, WorkerError> {
+    if runs.cold {
         shrink(pipeline).await?;
     }
     let what = format!("render a {}x{}x{} probe", shape.width, shape.height, shape.images);
-    probe_render(pipeline, meter, shape, steps, cold).await?.map_err(|e| WorkerError::start(&what, e))
+    probe_render(pipeline, meter, shape, steps, runs).await?.map_err(|e| WorkerError::start(&what, e))
 }
 
 /// Gives every arena's free regions back before (or between) probes (see
 /// `Pipeline::shrink_arenas`).
 pub(crate) async fn shrink(pipeline: &Arc<Pipeline>) -> Result<(), WorkerError> {
     let pipeline = pipeline.clone();
-    blocking(move || pipeline.shrink_arenas()).await?.map_err(|e| WorkerError::start("shrink the arenas around a probe", e))
+    let runs = pipeline.clone();
+    on_run_thread(&runs, move || pipeline.shrink_arenas())
+        .await
+        .map_err(|e| WorkerError::start("run the arena shrink", e))?
+        .map_err(|e| WorkerError::start("shrink the arenas around a probe", e))
+}
+
+/// How a probe renders: as the worker's jobs will, so that its need is theirs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct ProbeRuns {
+    /// Started from shrunk arenas, shrunk again after it and the floor read
+    /// (`[calibration] cold`).
+    pub cold: bool,
+    /// Its last UNet run gives the UNet's arena back before the VAE decodes, as every job's
+    /// render does under `[budget] cold_renders`. Without it a render's peak is the UNet's
+    /// batch and the decode together, which is what a job needs where the arenas are kept.
+    pub unet_gives_back: bool,
+}
+
+impl ProbeRuns {
+    /// The probes of a worker run with `config`.
+    pub(crate) fn of(config: &WorkerConfig) -> Self {
+        Self { cold: config.calibration.cold, unet_gives_back: config.budget.cold_renders }
+    }
+
+    /// The same, `cold` as given (the budget check's repeated renders).
+    pub(crate) fn with_cold(self, cold: bool) -> Self {
+        Self { cold, ..self }
+    }
 }
 
 /// One probe render of `shape` from the arenas as they are, and its peak above the models; the
-/// render's own error (out of memory, say) for the caller to judge. With `floor` (a probe that
-/// started from shrunk arenas), the arenas are shrunk again after it and the process read
-/// ([`PeakMeter::note_floor`]): the probe's need is its peak above that floor, without the
-/// kernels it loaded for good, as a later render of the shape needs it.
+/// render's own error (out of memory, say) for the caller to judge. The render runs as `runs`
+/// says a job's does: where jobs give the UNet's arena back before the decode, a probe that
+/// kept it read the batch and the decode together, 10-45% above every job of its shape
+/// (deploy/gpu/RESULTS.md, "the UNet's arena through the decode"). A cold probe (started from
+/// shrunk arenas) has the arenas shrunk again after it and the process read
+/// ([`PeakMeter::note_floor`]): its need is its peak above that floor, without the kernels it
+/// loaded for good, as a later render of the shape needs it.
 ///
 /// # Errors
 /// The outer error: the peak could not be measured.
@@ -215,8 +253,11 @@ pub(crate) async fn probe_render(
     meter: &Arc<PeakMeter>,
     shape: Shape,
     steps: u32,
-    floor: bool,
+    runs: ProbeRuns,
 ) -> Result<Result<ProbeRender, RenderError>, WorkerError> {
+    if runs.unet_gives_back {
+        pipeline.request_arena_shrink();
+    }
     let (render_pipeline, render_meter) = (pipeline.clone(), meter.clone());
     let request = RenderRequest {
         prompt: "calibration: a lighthouse on a cliff".into(),
@@ -230,13 +271,15 @@ pub(crate) async fn probe_render(
         max_batch: shape.images as usize,
     };
     let (rendered, measured) =
-        blocking(move || render_meter.measure(|| render_pipeline.render(&request, &mut |_| std::ops::ControlFlow::Continue(())))).await?;
+        on_run_thread(pipeline, move || render_meter.measure(|| render_pipeline.render(&request, &mut |_| std::ops::ControlFlow::Continue(()))))
+            .await
+            .map_err(|e| WorkerError::start("run a probe render", e))?;
     let timings = match rendered {
         Ok(output) => output.timings,
         Err(e) => return Ok(Err(e)),
     };
     let measured = measured.map_err(|e| WorkerError::start("measure a probe render", e))?;
-    if floor {
+    if runs.cold {
         shrink(pipeline).await?;
         meter.note_floor().map_err(|e| WorkerError::start("read the GPU after a probe", e))?;
     }

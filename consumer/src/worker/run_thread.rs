@@ -1,0 +1,45 @@
+//! Graph runs go through the pipeline's own threads, never tokio's blocking pool.
+//!
+//! ONNX Runtime's CUDA provider keeps memory per calling thread for as long as the session
+//! lives. On the H200 (2026-12-02, deploy/gpu/RESULTS.md, "588 MiB a thread") each worker's
+//! memory outside its arenas rose by 586-602 MiB every time a render ran on a thread no render
+//! had run on before: four times in each of three workers over 333 jobs, on tokio's blocking
+//! pool, whose idle threads exit after ten seconds and come back as new ones. On the
+//! pipeline's fixed threads ([`Pipeline::spawn_run`]) that memory is paid once per thread.
+
+use std::panic::{AssertUnwindSafe, catch_unwind};
+
+use crate::pipeline::Pipeline;
+
+/// Runs `work` on one of `pipeline`'s run threads and waits for it without holding up the
+/// async threads. A panic in `work` comes back as the error, with its message.
+pub(crate) async fn on_run_thread<T: Send + 'static>(pipeline: &Pipeline, work: impl FnOnce() -> T + Send + 'static) -> Result<T, String> {
+    let (done, result) = tokio::sync::oneshot::channel();
+    pipeline.spawn_run(move || {
+        // Nobody waits any more when the caller was dropped: the result goes nowhere.
+        let _ = done.send(catch_unwind(AssertUnwindSafe(work)));
+    });
+    match result.await {
+        Ok(Ok(value)) => Ok(value),
+        Ok(Err(panic)) => Err(panic_message(panic.as_ref())),
+        Err(_) => Err("the run thread ended before the work did".to_owned()),
+    }
+}
+
+fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    let text = panic.downcast_ref::<&str>().copied().or_else(|| panic.downcast_ref::<String>().map(String::as_str));
+    format!("panicked: {}", text.unwrap_or("(no message)"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::panic_message;
+
+    #[test]
+    fn a_panics_message_is_kept() {
+        let panic = std::panic::catch_unwind(|| panic!("boom {}", 7)).unwrap_err();
+        assert_eq!(panic_message(panic.as_ref()), "panicked: boom 7");
+        let panic = std::panic::catch_unwind(|| std::panic::panic_any(3_u8)).unwrap_err();
+        assert_eq!(panic_message(panic.as_ref()), "panicked: (no message)");
+    }
+}
