@@ -13,6 +13,11 @@
 #   storyboard   that run; fleet_summary.py's `storyboard` (storyboard_summary.py): images/s from
 #                the spawn and in steady state (after every size's first image), per size the first
 #                job's render against the later ones', GPU busy over the set
+#   storyboard-stored  the same shots again from a new worker process that starts with the state
+#                folder the first run left (its stored calibration: one fitness render instead of
+#                the probes), as a fleet's worker restarts; `storyboard_stored` in the summary
+#
+# STORY_RUNS (storyboard,storyboard-stored) picks; the second needs the first in the same call.
 #
 # The CPU dry run divides every side by 8 (128² .. 152x104) and renders STEPS (8) steps.
 
@@ -26,10 +31,18 @@ else
 fi
 
 stage_storyboard() {
-    local name=storyboard timeout
+    story_run storyboard "the mixed storyboard from a cold worker" ""
+    story_run storyboard-stored "the mixed storyboard from a cold worker with the first run's state folder" "$WORK/state-kept"
+}
+
+# story_run NAME LABEL KEPT: one storyboard run; KEPT, when set, the state folder its worker starts with.
+story_run() {
+    local name=$1 label=$2 kept=$3 timeout
     wanted "$name" || return 0
-    if [ "$(left)" -lt $((RUN_MIN_S + 60)) ]; then run_skip "$name" "the mixed storyboard" "$(left) s left"; return 0; fi
-    if run_begin "$name" "the mixed storyboard from a cold worker"; then
+    if [ "$(left)" -lt $((RUN_MIN_S + 60)) ]; then run_skip "$name" "$label" "$(left) s left"; return 0; fi
+    if [ -n "$kept" ] && [ ! -d "$kept" ]; then run_skip "$name" "$label" "no state folder from a first run"; return 0; fi
+    if run_begin "$name" "$label"; then
+        [ -n "$kept" ] && cp -a "$kept/." "$WORK/state/"
         meta top "concurrency = 2;batch_jobs = 4"
         meta cuda "$(tr '\n' ';' <<< "$TUNED")"
         write_config "$WORK/$name.toml" $'concurrency = 2\nbatch_jobs = 4' "$(calibration "$STORY_CALIBRATION")"$'\n\n'"$TUNED"
@@ -46,4 +59,6 @@ stage_storyboard() {
         submit_end m
     fi
     run_end
+    # What the first run's worker stored (its calibration) for a restart.
+    if [ -z "$kept" ]; then rm -rf "$WORK/state-kept" && cp -a "$WORK/state" "$WORK/state-kept"; fi
 }

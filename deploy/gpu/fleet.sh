@@ -114,7 +114,7 @@ case "$STAGE" in
     see) RUNS=,see, ;;
     box) RUNS=,${FLEET_RUNS:-one,two,mixed}, ;;
     board) RUNS=,${FLEET_RUNS:-board,board-small}, ;;
-    storyboard) RUNS=,storyboard, ;;
+    storyboard) RUNS=,${STORY_RUNS:-storyboard,storyboard-stored}, ;;
 esac
 RESULTS=${RESULTS:-$WORK/results}
 OUT=${OUT:-$RESULTS}

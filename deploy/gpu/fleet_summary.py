@@ -524,8 +524,9 @@ def main() -> None:
         import storyboard_summary  # noqa: PLC0415 - it imports this module's readers
 
         runs = {n: run_summary(args.dir / n, vram, meta.get("device")) for n in names}
-        if "storyboard" in runs:
-            doc["storyboard"] = storyboard_summary.fleet(runs["storyboard"])
+        for name in ("storyboard", "storyboard-stored"):
+            if name in runs:
+                doc[name.replace("-", "_")] = storyboard_summary.fleet(runs[name])
     elif args.stage == "box":
         import box_summary  # noqa: PLC0415 - it imports this module's readers
 

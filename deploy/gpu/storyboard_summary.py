@@ -65,11 +65,12 @@ def storyboard_md(fleet_doc: dict | None, diffusers: dict | None) -> list[str]:
     rows = []
     for mode, d in ((diffusers or {}).get("modes") or {}).items():
         rows.append({"system": f"diffusers {mode}", **{k: d.get(k) for k in ("shots", "images_per_s", "images_per_s_steady", "first_image_s", "to_last_image_s", "per_size", "status")}})
-    f = (fleet_doc or {}).get("storyboard")
-    if f:
-        rows.append({"system": "shotfleet (cold worker)", "shots": f.get("done"), "images_per_s": f.get("images_per_s"),
-                     "images_per_s_steady": f.get("images_per_s_steady"), "first_image_s": f.get("first_image_after_spawn_s"),
-                     "to_last_image_s": f.get("to_last_image_s"), "per_size": f.get("per_size"), "status": f.get("status")})
+    for key, system in (("storyboard", "shotfleet (cold worker)"), ("storyboard_stored", "shotfleet (cold worker, stored calibration)")):
+        f = (fleet_doc or {}).get(key)
+        if f:
+            rows.append({"system": system, "shots": f.get("done"), "images_per_s": f.get("images_per_s"),
+                         "images_per_s_steady": f.get("images_per_s_steady"), "first_image_s": f.get("first_image_after_spawn_s"),
+                         "to_last_image_s": f.get("to_last_image_s"), "per_size": f.get("per_size"), "status": f.get("status")})
     best = lambda key: max((x[key] for x in rows if x["system"].startswith("diffusers") and x.get(key)), default=None)  # noqa: E731
     best_cold, best_steady = best("images_per_s"), best("images_per_s_steady")
     out = ["## The mixed storyboard (issue 17, point 3)", "",

@@ -45,17 +45,25 @@ pub(crate) async fn calibrate(
             log_skip(shape, skipped);
             continue;
         }
+        let started = std::time::Instant::now();
         match warm_probe(pipeline, meter, shape, config.calibration.steps, runs).await? {
             Ok((render, first)) => {
                 let mib = |bytes: u64| bytes as f64 / budget::MIB as f64;
+                let ms = |time: std::time::Duration| time.as_millis() as u64;
+                // The times tell a cold worker's start apart: the stages of the measured render,
+                // the priming render's, and the probe's whole, shrinks included.
                 info!(
                     width = w,
                     height = h,
                     images = n,
                     peak_mib = mib(render.peak),
-                    first_render_mib = first.map(mib),
+                    first_render_mib = first.map(|first| mib(first.peak)),
                     above_models_mib = mib(render.above_models),
                     floor_mib = mib(render.floor),
+                    unet_ms = ms(render.timings.unet),
+                    vae_ms = ms(render.timings.vae),
+                    first_render_ms = first.map(|first| ms(first.timings.total())),
+                    probe_ms = ms(started.elapsed()),
                     "probe render"
                 );
                 calibration.measured(shape, render.peak);
@@ -97,10 +105,10 @@ async fn warm_probe(
     shape: Shape,
     steps: u32,
     runs: ProbeRuns,
-) -> Result<Result<(ProbeRender, Option<u64>), RenderError>, WorkerError> {
+) -> Result<Result<(ProbeRender, Option<ProbeRender>), RenderError>, WorkerError> {
     let first = if runs.cold {
         match probe_render(pipeline, meter, shape, 1, runs).await? {
-            Ok(primed) => Some(primed.peak),
+            Ok(primed) => Some(primed),
             Err(error) => return Ok(Err(error)),
         }
     } else {
