@@ -31,6 +31,9 @@ else
 fi
 
 stage_storyboard() {
+    # WORK outlives a call on the lease machine: a state folder kept by an earlier call's first
+    # run must not pass for this call's.
+    rm -rf "$WORK/state-kept"
     story_run storyboard "the mixed storyboard from a cold worker" ""
     story_run storyboard-stored "the mixed storyboard from a cold worker with the first run's state folder" "$WORK/state-kept"
 }
@@ -40,7 +43,7 @@ story_run() {
     local name=$1 label=$2 kept=$3 timeout
     wanted "$name" || return 0
     if [ "$(left)" -lt $((RUN_MIN_S + 60)) ]; then run_skip "$name" "$label" "$(left) s left"; return 0; fi
-    if [ -n "$kept" ] && [ ! -d "$kept" ]; then run_skip "$name" "$label" "no state folder from a first run"; return 0; fi
+    if [ -n "$kept" ] && [ ! -d "$kept" ]; then run_skip "$name" "$label" "no stored calibration from a first run"; return 0; fi
     if run_begin "$name" "$label"; then
         [ -n "$kept" ] && cp -a "$kept/." "$WORK/state/"
         meta top "concurrency = 2;batch_jobs = 4"
@@ -57,8 +60,15 @@ story_run() {
         done
         worker_start "$WORK/$name.toml" || stop_pid "$SUBMIT_PID" TERM 3
         submit_end m
+        # The second run is only what it says when its worker used the stored calibration.
+        if [ -n "$kept" ] && ! grep -q 'calibration reused from a stored fingerprint' "$RUN_DIR/worker.log"; then
+            meta error "the worker calibrated again instead of using the first run's stored calibration"
+        fi
     fi
     run_end
-    # What the first run's worker stored (its calibration) for a restart.
-    if [ -z "$kept" ]; then rm -rf "$WORK/state-kept" && cp -a "$WORK/state" "$WORK/state-kept"; fi
+    # What the first run's worker stored (its calibration) for a restart; nothing to keep when
+    # it stored none (a calibration cut short is not stored).
+    if [ -z "$kept" ] && compgen -G "$WORK/state/fingerprint-*.json" > /dev/null; then
+        cp -a "$WORK/state" "$WORK/state-kept"
+    fi
 }

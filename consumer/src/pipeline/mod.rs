@@ -170,7 +170,9 @@ pub struct PipelineOptions {
     /// Runtime's CUDA provider keeps memory per calling thread that it does not give back while
     /// the session lives (586-602 MiB a thread on an H200, deploy/gpu/RESULTS.md): renders on a
     /// fixed set of threads pay it once per thread, where a pool whose idle threads exit and
-    /// come back as new ones pays it again each time. A worker sets its `concurrency`.
+    /// come back as new ones pays it again each time. [`Pipeline::load`] warms every one with a
+    /// tiny render, so the memory is the load's, not a later job's. A worker sets its
+    /// `concurrency`.
     pub run_threads: usize,
 }
 
@@ -379,6 +381,8 @@ pub struct Pipeline {
     /// The threads [`Pipeline::spawn_run`] runs work on ([`PipelineOptions::run_threads`]);
     /// they end with the sessions whose per-thread state they carry.
     run_threads: rayon::ThreadPool,
+    /// Every run thread's name, each warmed by one render while loading.
+    warmed_threads: Vec<String>,
 }
 
 /// Counts pipeline loads, so a LoRA set placed for one is never bound by another.
@@ -406,14 +410,20 @@ impl Pipeline {
         let unet = Unet::load(&env, &config, options)?;
         let vae = VaeDecoder::load(&env, &config, options)?;
 
-        // One real encode proves the encoders run and tells the conditioning widths.
-        let probe = text.encode("", None, &Runs::new(&CancelHandle::new(), Shrink::Never, &options.device).map_err(|e| LoadError::Graph {
-            path: model_dir.join(model::TEXT_ENCODER),
-            detail: format!("cannot create run options: {e}"),
-        })?).map_err(|e| LoadError::Graph {
-            path: model_dir.join(model::TEXT_ENCODER),
-            detail: format!("test encode failed: {e}"),
-        })?;
+        let run_threads = rayon::ThreadPoolBuilder::new()
+            .num_threads(options.run_threads.max(1))
+            .thread_name(|i| format!("onnx-run-{i}"))
+            .build()
+            .map_err(|e| LoadError::Threads(e.to_string()))?;
+
+        // One real encode proves the encoders run and tells the conditioning widths; it runs on
+        // a run thread like every other graph run (see `run_threads`).
+        let probe = run_threads
+            .install(|| {
+                let runs = Runs::new(&CancelHandle::new(), Shrink::Never, &options.device).map_err(|e| format!("cannot create run options: {e}"))?;
+                text.encode("", None, &runs).map_err(|e| format!("test encode failed: {e}"))
+            })
+            .map_err(|detail| LoadError::Graph { path: model_dir.join(model::TEXT_ENCODER), detail })?;
         unet.check_conditioning(&probe)?;
         let latent_channels = match (unet.latent_channels, vae.latent_channels.or(config.vae_latent_channels)) {
             (Some(u), Some(v)) if u != v => {
@@ -437,12 +447,7 @@ impl Pipeline {
             ort_version,
             device: options.device.clone(),
         };
-        let run_threads = rayon::ThreadPoolBuilder::new()
-            .num_threads(options.run_threads.max(1))
-            .thread_name(|i| format!("onnx-run-{i}"))
-            .build()
-            .map_err(|e| LoadError::Threads(e.to_string()))?;
-        Ok(Pipeline {
+        let mut pipeline = Pipeline {
             config,
             text,
             scheduler,
@@ -455,7 +460,35 @@ impl Pipeline {
             lora_maps,
             instance: INSTANCES.fetch_add(1, Ordering::Relaxed),
             run_threads,
-        })
+            warmed_threads: Vec::new(),
+        };
+        pipeline.warmed_threads = pipeline.warm_run_threads()?;
+        Ok(pipeline)
+    }
+
+    /// Runs one tiny render ([`Pipeline::shrink_arenas`]) on every run thread at once, so each
+    /// thread's per-thread memory in ONNX Runtime's CUDA provider (about 588 MiB on the H200) is
+    /// paid here, while loading, and counted with the models: a thread's first job would
+    /// otherwise add it mid-serving, outside every estimate, and the leak guard would see it as
+    /// growth. Returns the threads' names, in pool order.
+    fn warm_run_threads(&self) -> Result<Vec<String>, LoadError> {
+        self.run_threads
+            .broadcast(|_| {
+                let name = std::thread::current().name().unwrap_or("unnamed").to_owned();
+                self.shrink_arenas().map(|()| name.clone()).map_err(|e| format!("{name}: {e}"))
+            })
+            .into_iter()
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|detail| LoadError::Graph {
+                path: self.model_dir.clone(),
+                detail: format!("the warm-up render on run thread {detail}"),
+            })
+    }
+
+    /// The names of the run threads, each of which has run every graph once by the time
+    /// [`Pipeline::load`] returns.
+    pub fn run_thread_names(&self) -> &[String] {
+        &self.warmed_threads
     }
 
     /// Runs `work` on one of the pipeline's run threads ([`PipelineOptions::run_threads`]),

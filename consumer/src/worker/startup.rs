@@ -55,6 +55,7 @@ pub async fn prepare(config: &WorkerConfig) -> Result<Ready, WorkerError> {
         unet_weights = %loaded.unet_packed.map_or_else(|| "as the graph's type".to_string(), |p| p.to_string()),
         vae_decoder = ?loaded.vae_dtype,
         text_encoders_on_cpu = loaded.text_encoders_on_cpu,
+        warmed_run_threads = pipeline.run_thread_names().len(),
         load_s = started.elapsed().as_secs_f64(),
         "models loaded"
     );
