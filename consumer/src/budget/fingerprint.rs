@@ -17,8 +17,10 @@ use super::estimate::Estimate;
 /// recalibrated. 2: four terms, probes from shrunk arenas. 3: five terms, size offsets. 4: needs
 /// above the floor (what the process keeps outside its arenas), not above the models. 5: each
 /// probe measured on its shape's second render (worker/calibrate.rs). 6: under `[budget]
-/// cold_renders`, probes give the UNet's arena back before the decode, as the jobs do.
-const FORMAT: u32 = 6;
+/// cold_renders`, probes give the UNet's arena back before the decode, as the jobs do. 7: every
+/// run thread is warmed while loading, so no probe pays a thread's first graph run; the batch
+/// terms are fitted within sizes and a size's offset comes from its nearest image count.
+const FORMAT: u32 = 7;
 
 /// What an estimate is valid for.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
