@@ -44,7 +44,10 @@
 #                   optimize.done, the halves wait for the optimizer's optimize.rc (LONG_READY) and
 #                   render LONG_MODEL (default the fused /root/sdxl)
 #   fleet-small-wait   waits for it (until 40 s before the call's limit; call it again in the next
-#                   call while it runs) and copies what it wrote for $OUT (small.json, fleet-small.txt)
+#                   call while it runs) and copies what it wrote for $OUT (small.json, fleet-small.txt).
+#                   Every foreground fleet stage waits for a background one too (until 100 s before
+#                   the call's limit, else exit 8), so no figure is measured beside it;
+#                   FLEET_BESIDE_BG=1 runs it beside on purpose
 #   fleet-see       optimize-wait, then `deploy/gpu/fleet.sh see` (issue 16) -> see-the-work.json
 #   fleet-storyboard  optimize-wait, then `deploy/gpu/fleet.sh storyboard` (issue 17: the same storyboard,
 #                   queued, then a cold worker) -> storyboard.json
@@ -424,11 +427,34 @@ fleet_env() {
         NATS_SERVER="$SITE/bin/nats-server" GPU_SAMPLER="$1/deploy/gpu/gpu_sampler.py" FLEET_DEADLINE_S="$3")
 }
 
+# wait_background_fleets: until no fleet.sh started by stage_fleet_start runs (its files then
+# go to $OUT); 8 when one still runs 100 s before the call's limit. A stage that measures must
+# not share the card unasked: on 2026-12-04 call 7's wait ran out while the 1,000-job run's three
+# workers still rendered, and call 8's speed runs and first storyboard ran beside them.
+wait_background_fleets() {
+    local pidfile name t0=$SECONDS limit=$(($(left) - 100))
+    for pidfile in "$ROOT"/fleet-*.pid; do
+        alive "$pidfile" || continue
+        name=$(basename "$pidfile" .pid)
+        log "$name still runs in the background: waiting for it before measuring"
+        while alive "$pidfile"; do
+            if [ $((SECONDS - t0)) -ge "$limit" ]; then
+                echo "$name still runs in the background: not measuring beside it (FLEET_BESIDE_BG=1 would)" >&2
+                return 8
+            fi
+            sleep 3
+        done
+        [ -f "$ROOT/$name.rc" ] && to_out "$RESULTS/bg-out-${name#fleet-}"/*
+    done
+    return 0
+}
+
 # stage_fleet speed|budget: deploy/gpu/fleet.sh STAGE, ending 40 s before the call's limit (report).
 stage_fleet() {
     local part=$1
     # A fleet stage on another model folder (FLEET_MODEL) does not need the optimizer's UNet.
     if [ "${FLEET_MODEL:-$SDXL}" = "$SDXL" ]; then stage_optimize_wait || return; fi
+    if [ -z "${FLEET_BESIDE_BG:-}" ]; then wait_background_fleets || return; fi
     [ -d .gpu/bin ] || { echo "carry .gpu/bin (the release binaries built here) in this call" >&2; return 2; }
     ort_env
     chmod +x .gpu/bin/* 2> /dev/null
