@@ -202,14 +202,35 @@ impl Estimate {
         }
     }
 
-    /// The most a render of `shape`'s width and height, any image count, needed beyond the fit:
-    /// below zero where every render of the size needed less (0 for a size never seen).
+    /// What renders of `shape`'s width and height needed beyond the fit, carried to its image
+    /// count (0 for a size never seen): at a count seen, that count's; between two seen counts,
+    /// the line between theirs, so the need runs straight from one seen peak to the next; below
+    /// the fewest seen, the fewest's; above the most seen, the most's, raised where the size's
+    /// own growth between its two highest counts is steeper than the fit's (a size whose
+    /// images cost more than the sizes the batch terms were fitted on).
     fn size_offset(&self, shape: Shape) -> f64 {
-        let seen = self.floors.iter().filter(|f| f.shape.size() == shape.size());
-        // The nearest image count seen: the most below or at this one, else the fewest above.
-        let nearest = seen
-            .min_by_key(|f| if f.shape.images <= shape.images { (0, shape.images - f.shape.images) } else { (1, f.shape.images - shape.images) });
-        nearest.map_or(0.0, |f| f.peak_bytes as f64 - self.terms.need(f.shape))
+        let mut seen: Vec<(u32, f64)> = self
+            .floors
+            .iter()
+            .filter(|f| f.shape.size() == shape.size())
+            .map(|f| (f.shape.images, f.peak_bytes as f64 - self.terms.need(f.shape)))
+            .collect();
+        seen.sort_by_key(|&(images, _)| images);
+        let n = shape.images;
+        let below = seen.iter().rev().find(|&&(images, _)| images <= n);
+        let above = seen.iter().find(|&&(images, _)| images >= n);
+        match (below, above) {
+            (None, None) => 0.0,
+            (Some(&(_, offset)), None) if seen.len() >= 2 => {
+                // Above the most seen: its own growth per image where that is the steeper.
+                let [(lo, lo_offset), (hi, hi_offset)] = [seen[seen.len() - 2], seen[seen.len() - 1]];
+                let own_per_image = (hi_offset - lo_offset) / f64::from(hi - lo);
+                offset + (own_per_image * f64::from(n - hi)).max(0.0)
+            }
+            (Some(&(_, offset)), None) | (None, Some(&(_, offset))) => offset,
+            (Some(&(lo, lo_offset)), Some(&(hi, hi_offset))) if hi > lo => lo_offset + (hi_offset - lo_offset) * f64::from(n - lo) / f64::from(hi - lo),
+            (Some(&(_, offset)), Some(_)) => offset,
+        }
     }
 
     /// Learns from a render's observed peak and returns how far off the need was,
@@ -232,7 +253,7 @@ impl Estimate {
 
     /// Records that `shape` needs at least `bytes` (a render of it ran out of memory with that
     /// much planned), for this shape and every larger one; what it needs beyond the fit becomes
-    /// its size's offset (see the module documentation).
+    /// an offset of its size, carried to the size's other image counts (see `size_offset`).
     pub fn raise_floor(&mut self, shape: Shape, bytes: u64) {
         if let Some(floor) = self.floors.iter_mut().find(|f| f.shape == shape) {
             floor.peak_bytes = floor.peak_bytes.max(bytes);
@@ -332,7 +353,7 @@ fn image_counts(samples: &[Sample]) -> BTreeMap<(u32, u32), BTreeSet<u32>> {
 /// size terms then on what is left: otherwise the batch term soaks up differences between
 /// sizes. On the H200 (2026-12-04, the fused UNet, `cold_renders`) every size needed the same
 /// at one to four images, its one-image decode being the peak, while a joint fit gave one more
-/// image up to 550 MiB and over-predicted 4-image renders by up to 30%.
+/// image up to 550 MiB and over-predicted 4-image renders by up to 31%.
 fn fit_all(samples: &[Sample]) -> Option<Coefficients> {
     let distinct = distinct_shapes(samples);
     if distinct < 2 {
@@ -372,8 +393,10 @@ fn fit_batch(samples: &[Sample]) -> Option<Coefficients> {
     if rows.is_empty() {
         return None;
     }
-    // Seen at one size only, either term alone fits its growth: the plain batch term, last,
-    // wins that tie, as it extrapolates to other sizes the more cautiously.
+    // Seen at one size only, either term alone fits its growth, and they part at other sizes:
+    // the plain batch term (last) wins that tie, which is low for larger sizes where attention
+    // is not fused. Multi-image probes at two sizes tell the two apart (the default calibration
+    // has 768² x 4 and 1024² x 2; a fleet serving 1536² should probe 1536² x 2 as well).
     let batch_models = [[false, true, false, false, true], [false, false, false, false, true], [false, true, false, false, false]];
     // Every size here has two image counts: each batch model is determined.
     Some(closest(&rows, &batch_models, usize::MAX).unwrap_or_default())
@@ -762,6 +785,28 @@ mod tests {
             let missed: Vec<_> = worst.iter().filter(|(_, error)| **error > 0.10).collect();
             assert!(missed.is_empty(), "{name}: {missed:?} ({:?})", estimate.coefficients());
         }
+    }
+
+    /// A size whose images cost more than the fit's batch terms say (fitted on flat sizes): its
+    /// need runs straight between the counts seen, and on above the highest at its own slope,
+    /// never below its peaks' line.
+    #[test]
+    fn a_size_steeper_than_the_fit_runs_straight_between_its_counts_and_on_above_them() {
+        let mib = |(w, h, n, peak): (u32, u32, u32, u64)| Sample { shape: Shape::new(w, h, n), peak_bytes: peak * MIB };
+        // 1024² needs the same at one and two images; 1216x832 grows by 1,200 MiB an image.
+        let probes = [(512, 512, 1, 800), (768, 768, 1, 1796), (1024, 1024, 1, 2700), (1024, 1024, 2, 2700), (1536, 1536, 1, 7764)];
+        let mut estimate = Estimate::calibrate(&probes.map(mib)).unwrap();
+        estimate.raise_floor(Shape::new(1216, 832, 1), 3000 * MIB);
+        estimate.raise_floor(Shape::new(1216, 832, 4), 6600 * MIB);
+        let need = |n| estimate.need(Shape::new(1216, 832, n)) as f64 / MIB as f64;
+        for (n, line) in [(2, 4200.0), (3, 5400.0)] {
+            assert!((need(n) - line).abs() < 1.0, "x{n}: {} against {line}", need(n));
+        }
+        let mut steep = Estimate::calibrate(&probes.map(mib)).unwrap();
+        steep.raise_floor(Shape::new(1216, 832, 1), 3000 * MIB);
+        steep.raise_floor(Shape::new(1216, 832, 2), 4200 * MIB);
+        let four = steep.need(Shape::new(1216, 832, 4)) as f64 / MIB as f64;
+        assert!(four >= 6600.0 - 1.0, "x4 from its own slope: {four}");
     }
 
     /// A size the model overrates gets a negative offset: its need follows its renders, on
