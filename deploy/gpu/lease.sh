@@ -272,7 +272,7 @@ stage_optimize_start() {
     ort_env
     # Copies, so a later call's fresh working tree cannot change what the background jobs run.
     mkdir -p "$ROOT/scripts" "$SDXL/unet"
-    cp onnx/optimize_unet.py onnx/to_fp16.py "$ROOT/scripts/" || return
+    cp onnx/optimize_unet.py onnx/graph_passes.py onnx/to_fp16.py "$ROOT/scripts/" || return
     rm -f "$ROOT/optimize.rc" "$ROOT/unfused.rc" "$ROOT/optimize.pid" "$ROOT/unfused.pid" "$ROOT/optimize.done" "$SDXL/unet/model.onnx" "$SDXL/unet/model.onnx_data"
     log "starting ORT's optimizer on the fp32 UNet (numpy 2.2.6 first on its path)"
     # shellcheck disable=SC2016 # the inner script expands its own arguments
