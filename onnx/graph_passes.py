@@ -5,7 +5,8 @@ ONNX Runtime's UNet fusion (optimize_unet.py) runs convolutions (NhwcConv) and g
 stands at every border between the two: around each residual Add, each skip Concat of the up
 blocks, each upsampling Resize, and in front of the Shape ops that read a tensor's size. Each
 moves a whole activation (21 MB at 1024x1024 in the first block). These passes work only on the
-graph, never on weights, so a rewritten model.onnx sits beside its model.onnx_data.
+graph, never on weights, so a rewritten model.onnx sits beside its model.onnx_data; the last two
+write new initializers (a summed bias, the split projection weights) into the graph itself.
 
     transposes_of_shapes   Shape(Transpose(x, p)) -> Gather(Shape(x), p): the size without the move
     sink_transposes        Add/Mul/Sub/Div of two Transposes with one perm, Concat of Transposes,
@@ -18,6 +19,12 @@ graph, never on weights, so a rewritten model.onnx sits beside its model.onnx_da
                            them (SkipGroupNorm adds X + skip + bias before normalising): cuDNN adds
                            a convolution's bias in a pass of its own over the output (its cost:
                            deploy/gpu/RESULTS.md, the UNet's profile), the group norm reads it for free
+    unpack_qkv             a MultiHeadAttention fed one packed projection (MatMul, then Reshape to
+                           [B, S, N, 3, H], or [B, S, N, 2, H] for cross attention's key and value)
+                           gets three (two) MatMuls feeding its query, key and value as [B, S, N*H]:
+                           ONNX Runtime unpacks a packed input with a kernel of its own (AddBiasUnpack,
+                           1.0 ms of a 34 ms UNet call on the H200) before cuDNN's or flash attention,
+                           which read separate [B, S, N*H] inputs in place (no bias input)
 
 Each returns how many nodes it changed; `optimize` runs them to a fixed point. Every rewrite is
 exact: the same numbers in another layout. onnx/tune_unet.py times the result against the
@@ -56,7 +63,15 @@ class Graph:
         self.initializers = {t.name: t for t in self.g.initializer}
 
     def fresh(self) -> str:
-        return next(self.names)
+        """A name no tensor, initializer or node of the graph has (an earlier run of these passes
+        may have taken some: optimize_unet.py folds biases before tune_unet.py rewrites)."""
+        if not hasattr(self, "taken"):
+            self.taken = {t.name for t in self.g.initializer} | {i.name for i in self.g.input}
+            self.taken |= {name for n in self.g.node for name in (*n.input, *n.output, n.name)}
+        while (name := next(self.names)) in self.taken:
+            pass
+        self.taken.add(name)
+        return name
 
     def perm(self, node: NodeProto) -> tuple[int, ...] | None:
         if node.op_type != "Transpose" or node.domain not in ("", "ai.onnx"):
@@ -100,13 +115,21 @@ class Graph:
             self.g.node.insert(at + k, n)
 
     def remove_dead(self) -> int:
-        """Drops nodes none of whose outputs is used (a graph output counts as a use)."""
+        """Drops nodes none of whose outputs is used (a graph output counts as a use), and the
+        initializers left unread."""
         removed = 0
         while True:
             self.reindex()
             dead = [n for n in self.g.node
                     if all(not self.consumers.get(o) and o not in self.outputs for o in n.output if o)]
             if not dead:
+                # Then the initializers no node reads any more (a folded bias, a split weight);
+                # one that is also a graph input stays (a caller may feed it).
+                inputs = {i.name for i in self.g.input}
+                for t in [t for t in self.g.initializer
+                          if not self.consumers.get(t.name) and t.name not in self.outputs and t.name not in inputs]:
+                    self.g.initializer.remove(t)
+                self.reindex()
                 return removed
             for n in dead:
                 self.g.node.remove(n)
@@ -286,8 +309,50 @@ def fold_conv_bias(graph: Graph) -> int:
     return changed
 
 
+def unpack_qkv(graph: Graph) -> int:
+    changed = 0
+    for mha in [n for n in graph.g.node if n.op_type == "MultiHeadAttention" and n.domain == "com.microsoft"]:
+        inputs = list(mha.input)
+        # Packed: self attention's one input [B, S, N, 3, H], or cross attention's query and
+        # [B, S_kv, N, 2, H]; nothing else (bias, mask, past) beside them.
+        if inputs and inputs[0] and not any(inputs[1:]):
+            packed_at, parts = 0, 3
+        elif len(inputs) >= 2 and inputs[0] and inputs[1] and not any(inputs[2:]):
+            packed_at, parts = 1, 2
+        else:
+            continue
+        packed = inputs[packed_at]
+        reshape = graph.producer.get(packed)
+        if reshape is None or reshape.op_type != "Reshape" or not graph.only_used_by(packed, mha):
+            continue
+        shape = graph.constant(reshape.input[1])
+        if shape is None or shape.shape != (5,) or list(shape[[0, 1, 3]]) != [0, 0, parts]:
+            continue
+        heads, head_size = int(shape[2]), int(shape[4])
+        matmul = graph.producer.get(reshape.input[0])
+        if matmul is None or matmul.op_type != "MatMul" or not graph.only_used_by(reshape.input[0], reshape):
+            continue
+        weight = graph.constant(matmul.input[1]) if matmul.input[1] in graph.initializers else None
+        if weight is None or weight.ndim != 2 or weight.shape[1] != heads * parts * head_size:
+            continue
+        # The packed columns run head by head, each head's q, k, v (or k, v) side by side.
+        split = weight.reshape(weight.shape[0], heads, parts, head_size)
+        projections = []
+        for part in range(parts):
+            w = numpy_helper.from_array(np.ascontiguousarray(split[:, :, part, :]).reshape(weight.shape[0], -1), graph.fresh())
+            graph.g.initializer.append(w)
+            projections.append(helper.make_node("MatMul", [matmul.input[0], w.name], [graph.fresh()], name=graph.fresh()))
+        graph.insert_after(matmul, projections)
+        kept = [inputs[0]] if parts == 2 else []
+        del mha.input[:]
+        mha.input.extend(kept + [p.output[0] for p in projections])
+        changed += 1
+        graph.reindex()
+    return changed
+
+
 PASSES = {"shapes": transposes_of_shapes, "sink": sink_transposes, "cancel": cancel_transposes,
-          "dedupe": dedupe_transposes, "conv_bias": fold_conv_bias}
+          "dedupe": dedupe_transposes, "conv_bias": fold_conv_bias, "unpack_qkv": unpack_qkv}
 
 
 def optimize(model: ModelProto, passes: list[str], base_dir: str | None = None) -> dict:

@@ -20,7 +20,8 @@ the outputs agree.
 selftest: a graph of standard ops with the fused UNet's layout borders (Transposes around Add,
 Concat, Resize and Shape) is rewritten and run on the CPU before and after: the outputs must be
 equal and the Transposes fewer; and a graph of NhwcConvs feeding a SkipGroupNorm (CUDA-only ops,
-checked by structure) has the convolutions' biases summed into the group norm's. The Rust test consumer/tests/pipeline_rewritten.rs runs it, and
+checked by structure) has the convolutions' biases summed into the group norm's; and a packed
+self and cross attention, unpacked, match numpy's attention on the packed layout. The Rust test consumer/tests/pipeline_rewritten.rs runs it, and
 renders the tiny fixture through a rewritten UNet.
 """
 
@@ -206,6 +207,52 @@ def check_conv_bias_fold() -> dict:
     return report
 
 
+def check_unpack_qkv() -> dict:
+    """A self attention fed one packed projection and a cross attention fed a packed key and value
+    (the fused UNet's two kinds), unpacked and run on the CPU (which cannot run the packed form),
+    against attention computed in numpy from the packed layout's definition."""
+    import onnxruntime as ort
+
+    b, s, heads, size, c, s_kv, c_kv = 2, 16, 2, 8, 12, 5, 10
+    rng = np.random.default_rng(1)
+    w_qkv, w_q, w_kv = (rng.standard_normal(shape).astype(np.float32) * 0.3
+                        for shape in ((c, heads * 3 * size), (heads * size, heads * size), (c_kv, heads * 2 * size)))
+    ms = "com.microsoft"
+    inits = [numpy_helper.from_array(w_qkv, "w_qkv"), numpy_helper.from_array(w_q, "w_q"), numpy_helper.from_array(w_kv, "w_kv"),
+             numpy_helper.from_array(np.array([0, 0, heads, 3, size], dtype=np.int64), "s3"),
+             numpy_helper.from_array(np.array([0, 0, heads, 2, size], dtype=np.int64), "s2")]
+    n = [helper.make_node("MatMul", ["x", "w_qkv"], ["qkv"]), helper.make_node("Reshape", ["qkv", "s3"], ["qkv5"]),
+         helper.make_node("MultiHeadAttention", ["qkv5"], ["a"], domain=ms, num_heads=heads),
+         helper.make_node("MatMul", ["a", "w_q"], ["q"]),
+         helper.make_node("MatMul", ["e", "w_kv"], ["kv"]), helper.make_node("Reshape", ["kv", "s2"], ["kv5"]),
+         helper.make_node("MultiHeadAttention", ["q", "kv5"], ["y"], domain=ms, num_heads=heads)]
+    graph = helper.make_graph(n, "packed", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [b, s, c]),
+                                            helper.make_tensor_value_info("e", TensorProto.FLOAT, [b, s_kv, c_kv])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [b, s, heads * size])], initializer=inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(ms, 1)], ir_version=8)
+    report = graph_passes.optimize(model, ["unpack_qkv"])
+    onnx.checker.check_model(model)
+    x, e = rng.standard_normal((b, s, c)).astype(np.float32), rng.standard_normal((b, s_kv, c_kv)).astype(np.float32)
+    got = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x, "e": e})[0]
+
+    def attention(q, k, v):
+        q, k, v = (t.reshape(b, -1, heads, size).transpose(0, 2, 1, 3) for t in (q, k, v))
+        scores = q @ k.transpose(0, 1, 3, 2) / np.sqrt(size)
+        weights = np.exp(scores - scores.max(-1, keepdims=True))
+        return (weights / weights.sum(-1, keepdims=True) @ v).transpose(0, 2, 1, 3).reshape(b, -1, heads * size)
+
+    packed = (x @ w_qkv).reshape(b, s, heads, 3, size)
+    a = attention(*(packed[..., i, :].reshape(b, s, -1) for i in range(3)))
+    kv = (e @ w_kv).reshape(b, s_kv, heads, 2, size)
+    want = attention(a @ w_q, *(kv[..., i, :].reshape(b, s_kv, -1) for i in range(2)))
+    ops = [node.op_type for node in model.graph.node]
+    if report.get("unpack_qkv") != 2 or "Reshape" in ops or ops.count("MatMul") != 6 or len(model.graph.initializer) != 6:
+        raise SystemExit(f"selftest (unpack qkv): {report} {ops} {[t.name for t in model.graph.initializer]}")
+    if np.abs(got - want).max() > 1e-5:
+        raise SystemExit(f"selftest (unpack qkv): {np.abs(got - want).max()} from numpy's attention")
+    return report
+
+
 def selftest() -> None:
     import onnxruntime as ort
 
@@ -230,7 +277,7 @@ def selftest() -> None:
     # Left: the input's and the output's Transposes, the identity one and the one z needs in NCHW.
     if report["transposes_after"] > 4 or report["transposes_after"] >= report["transposes_before"]:
         raise SystemExit(f"selftest: Transposes {report['transposes_before']} -> {report['transposes_after']}: {report}")
-    print(json.dumps({"selftest": "ok", **report, "conv_bias": check_conv_bias_fold()}))
+    print(json.dumps({"selftest": "ok", **report, "conv_bias": check_conv_bias_fold(), "unpack_qkv": check_unpack_qkv()}))
 
 
 def main() -> None:

@@ -415,8 +415,8 @@ stage_tune() {
     ort_env
     local budget
     budget=$(min "${TUNE_BUDGET_S:-200}" "$(($(left) - 40))")
-    log "tune_unet.py time, variants ${TUNE_VARIANTS:-conv_bias}, limit $budget s"
-    timeout -k 10 "$budget" python3 onnx/tune_unet.py time --model "$SDXL/unet/model.onnx" --variants "${TUNE_VARIANTS:-conv_bias}" \
+    log "tune_unet.py time, variants ${TUNE_VARIANTS:-unpack_qkv}, limit $budget s"
+    timeout -k 10 "$budget" python3 onnx/tune_unet.py time --model "$SDXL/unet/model.onnx" --variants "${TUNE_VARIANTS:-unpack_qkv}" \
         --cuda-option cudnn_conv_algo_search=HEURISTIC --out "$RESULTS/tune.json" 2>&1 | tee "$RESULTS/tune.log"
     local rc=${PIPESTATUS[0]}
     rm -f "$SDXL"/unet/model-tune-*.onnx
