@@ -19,7 +19,7 @@ use super::estimate::Estimate;
 /// probe measured on its shape's second render (worker/calibrate.rs). 6: under `[budget]
 /// cold_renders`, probes give the UNet's arena back before the decode, as the jobs do. 7: every
 /// run thread is warmed while loading, so no probe pays a thread's first graph run; the batch
-/// terms are fitted within sizes and a size's offset comes from its nearest image count.
+/// terms are fitted within sizes and a size's offset is carried from its own image counts.
 const FORMAT: u32 = 7;
 
 /// What an estimate is valid for.
