@@ -13,9 +13,10 @@ time: each variant (default conv_bias) is written beside the model as model-tune
 its own next to the original's, and the two are called in alternation (ten rounds of --iters
 calls each, so drift hits both alike) on the same inputs; reported: each one's median, the ratio,
 and how far the outputs are apart (max |a - b| and ||a - b|| / ||a||: an exact rewrite gives 0, or
-a rounding's worth where a kernel sums in another order). Variants: a pass name, or `all` (every
-pass). A variant is worth keeping where it is faster by more than the two originals' spread and
-the outputs agree.
+a rounding's worth where a kernel sums in another order). Variants: a pass name, `all` (every
+pass), or `none` (the graph saved again untouched: its ratio is the two identical sessions'
+spread). A variant is worth keeping where it is faster by more than that spread and the outputs
+agree.
 
 selftest: a graph of standard ops with the fused UNet's layout borders (Transposes around Add,
 Concat, Resize and Shape) is rewritten and run on the CPU before and after: the outputs must be
@@ -49,6 +50,10 @@ EXTERNAL_DATA_THRESHOLD = 1_900_000_000
 
 
 def passes_of(variant: str) -> list[str]:
+    # "none": the graph saved again untouched, timed like any variant: its speedup is the spread
+    # between two identical sessions, the noise the other rows are read against.
+    if variant == "none":
+        return []
     names = ALL if variant == "all" else variant.split("+")
     unknown = [n for n in names if n not in graph_passes.PASSES]
     if unknown:

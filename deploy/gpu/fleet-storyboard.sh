@@ -16,8 +16,14 @@
 #   storyboard-stored  the same shots again from a new worker process that starts with the state
 #                folder the first run left (its stored calibration: one fitness render instead of
 #                the probes), as a fleet's worker restarts; `storyboard_stored` in the summary
+#   storyboard-vae-heuristic  as storyboard-stored, the VAE decoder on cuDNN's heuristic search
+#                (`[cuda.vae] conv_algo_search = "heuristic"`): ONNX Runtime builds a convolution's
+#                plan again at every switch of size, ~1.15 s a VAE decode on the default search
+#                (RESULTS.md, lease of 2026-12-04, third); the summary's `vae_after_switch` of
+#                each run says what a switch costs
 #
-# STORY_RUNS (storyboard,storyboard-stored) picks; the second needs the first in the same call.
+# STORY_RUNS (storyboard,storyboard-stored,storyboard-vae-heuristic) picks; the second and the
+# third need the first in the same call.
 #
 # The CPU dry run divides every side by 8 (128² .. 152x104) and renders STEPS (8) steps.
 
@@ -36,19 +42,22 @@ stage_storyboard() {
     rm -rf "$WORK/state-kept"
     story_run storyboard "the mixed storyboard from a cold worker" ""
     story_run storyboard-stored "the mixed storyboard from a cold worker with the first run's state folder" "$WORK/state-kept"
+    story_run storyboard-vae-heuristic "the mixed storyboard, stored calibration, the VAE on cuDNN's heuristic search" \
+        "$WORK/state-kept" $'\n\n[cuda.vae]\nconv_algo_search = "heuristic"'
 }
 
-# story_run NAME LABEL KEPT: one storyboard run; KEPT, when set, the state folder its worker starts with.
+# story_run NAME LABEL KEPT [TABLES]: one storyboard run; KEPT, when set, the state folder its
+# worker starts with; TABLES, config tables after TUNED's.
 story_run() {
-    local name=$1 label=$2 kept=$3 timeout
+    local name=$1 label=$2 kept=$3 tables=${4:-} timeout
     wanted "$name" || return 0
     if [ "$(left)" -lt $((RUN_MIN_S + 60)) ]; then run_skip "$name" "$label" "$(left) s left"; return 0; fi
     if [ -n "$kept" ] && [ ! -d "$kept" ]; then run_skip "$name" "$label" "no stored calibration from a first run"; return 0; fi
     if run_begin "$name" "$label"; then
         [ -n "$kept" ] && cp -a "$kept/." "$WORK/state/"
         meta top "concurrency = 2;batch_jobs = 4"
-        meta cuda "$(tr '\n' ';' <<< "$TUNED")"
-        write_config "$WORK/$name.toml" $'concurrency = 2\nbatch_jobs = 4' "$(calibration "$STORY_CALIBRATION")"$'\n\n'"$TUNED"
+        meta cuda "$(tr '\n' ';' <<< "$TUNED$tables")"
+        write_config "$WORK/$name.toml" $'concurrency = 2\nbatch_jobs = 4' "$(calibration "$STORY_CALIBRATION")"$'\n\n'"$TUNED$tables"
         python3 "$REPO/deploy/gpu/storyboards.py" storyboard "$WORK/jobs.jsonl" --run "$name" --set m \
             --jobs "$STORY_JOBS" --steps "$STORY_STEPS" --scale "$SCALE" | tee "$RUN_DIR/storyboard.txt"
         timeout=$(($(left) - STOP_S - 10))

@@ -524,9 +524,10 @@ def main() -> None:
         import storyboard_summary  # noqa: PLC0415 - it imports this module's readers
 
         runs = {n: run_summary(args.dir / n, vram, meta.get("device")) for n in names}
-        for name in ("storyboard", "storyboard-stored"):
+        for key, _ in storyboard_summary.FLEET_RUNS:
+            name = key.replace("_", "-")
             if name in runs:
-                doc[name.replace("-", "_")] = storyboard_summary.fleet(runs[name])
+                doc[key] = storyboard_summary.fleet(runs[name])
     elif args.stage == "box":
         import box_summary  # noqa: PLC0415 - it imports this module's readers
 

@@ -32,7 +32,8 @@
 #   profile         optimize-wait, then onnx/profile_unet.py: the fused UNet's time per node and op type
 #                   against each one's roofline, batches PROFILE_BATCHES (2,8) at 1024² -> profile.json, profile.md
 #   tune            optimize-wait, then onnx/tune_unet.py time: graph rewrites (TUNE_VARIANTS) against the
-#                   fused UNet, alternating, outputs compared -> tune.json
+#                   fused UNet, alternating, outputs compared -> tune.json (default none,unpack_qkv:
+#                   `none` is the graph untouched, the spread between identical sessions)
 #   fleet-speed     optimize-wait, then `deploy/gpu/fleet.sh speed` (binaries from .gpu/bin) -> fleet-speed.json
 #   fleet-budget    optimize-wait, then `deploy/gpu/fleet.sh budget` -> budget.json, budget-check.jsonl, budget-check-ws.jsonl
 #   fleet-small     optimize-wait, then `deploy/gpu/fleet.sh small` (issue 19: shares of the card, two
@@ -415,8 +416,8 @@ stage_tune() {
     ort_env
     local budget
     budget=$(min "${TUNE_BUDGET_S:-200}" "$(($(left) - 40))")
-    log "tune_unet.py time, variants ${TUNE_VARIANTS:-unpack_qkv}, limit $budget s"
-    timeout -k 10 "$budget" python3 onnx/tune_unet.py time --model "$SDXL/unet/model.onnx" --variants "${TUNE_VARIANTS:-unpack_qkv}" \
+    log "tune_unet.py time, variants ${TUNE_VARIANTS:-none,unpack_qkv}, limit $budget s"
+    timeout -k 10 "$budget" python3 onnx/tune_unet.py time --model "$SDXL/unet/model.onnx" --variants "${TUNE_VARIANTS:-none,unpack_qkv}" \
         --cuda-option cudnn_conv_algo_search=HEURISTIC --out "$RESULTS/tune.json" 2>&1 | tee "$RESULTS/tune.log"
     local rc=${PIPESTATUS[0]}
     rm -f "$SDXL"/unet/model-tune-*.onnx

@@ -4,7 +4,9 @@ storyboard.json, beside bench_storyboard.py's diffusers modes (report.py puts th
     fleet(run)   images/s from the worker's spawn to the last image (the queue waited for it), in
                  steady state (after every size's first image), the seconds from the spawn to the
                  first image, per size the first job's render against the median of its later
-                 ones, GPU busy over the set
+                 ones, GPU busy over the set, and the VAE's time after a render of the same size
+                 against one after another size (`vae_after_switch`: a size switch makes ONNX
+                 Runtime's convolutions build their cuDNN plans again, deploy/gpu/RESULTS.md)
 
 Takes fleet_summary.run_summary's dict (with its private _meta, _log and _dir). Standard library only.
 """
@@ -17,6 +19,14 @@ from pathlib import Path
 
 from fleet_summary import fnum, r
 from storyboards import firsts_of_sizes
+
+
+# fleet-storyboard.sh's runs: the summary's key and the report's name for each.
+FLEET_RUNS = (
+    ("storyboard", "shotfleet (cold worker)"),
+    ("storyboard_stored", "shotfleet (cold worker, stored calibration)"),
+    ("storyboard_vae_heuristic", "shotfleet (stored calibration, VAE heuristic search)"),
+)
 
 
 def fleet(run: dict) -> dict:
@@ -53,8 +63,25 @@ def fleet(run: dict) -> dict:
         first_image_after_spawn_s=r(done[0]["t"] - spawned, 2),
         per_size=per_size,
         busy_fraction=m.get("busy_fraction"), stage_ms_median=m.get("stage_ms_median"), tally=m.get("tally"),
-        submit_rc=m.get("submit_rc"))
+        submit_rc=m.get("submit_rc"), vae_after_switch=vae_after_switch(done, size))
     return out
+
+
+def vae_after_switch(done: list[dict], size) -> dict:
+    """The VAE's ms per render, median, after a render of the same size and after one of another
+    size. Renders in the order their jobs finished; a group's jobs share one render (the same
+    render and VAE times), counted once."""
+    renders, seen = [], set()
+    for x in done:
+        f = x["fields"]
+        key = (size(x), f.get("render_ms"), f.get("vae_ms"))
+        if key not in seen:
+            seen.add(key)
+            renders.append(key)
+    same = [vae for (s, _, vae), (before, _, _) in zip(renders[1:], renders) if s == before and vae is not None]
+    other = [vae for (s, _, vae), (before, _, _) in zip(renders[1:], renders) if s != before and vae is not None]
+    stat = lambda xs: {"renders": len(xs), "vae_ms_median": statistics.median(xs) if xs else None}  # noqa: E731
+    return {"after_same_size": stat(same), "after_other_size": stat(other)}
 
 
 def storyboard_md(fleet_doc: dict | None, diffusers: dict | None) -> list[str]:
@@ -65,12 +92,13 @@ def storyboard_md(fleet_doc: dict | None, diffusers: dict | None) -> list[str]:
     rows = []
     for mode, d in ((diffusers or {}).get("modes") or {}).items():
         rows.append({"system": f"diffusers {mode}", **{k: d.get(k) for k in ("shots", "images_per_s", "images_per_s_steady", "first_image_s", "to_last_image_s", "per_size", "status")}})
-    for key, system in (("storyboard", "shotfleet (cold worker)"), ("storyboard_stored", "shotfleet (cold worker, stored calibration)")):
+    for key, system in FLEET_RUNS:
         f = (fleet_doc or {}).get(key)
         if f:
             rows.append({"system": system, "shots": f.get("done"), "images_per_s": f.get("images_per_s"),
                          "images_per_s_steady": f.get("images_per_s_steady"), "first_image_s": f.get("first_image_after_spawn_s"),
-                         "to_last_image_s": f.get("to_last_image_s"), "per_size": f.get("per_size"), "status": f.get("status")})
+                         "to_last_image_s": f.get("to_last_image_s"), "per_size": f.get("per_size"), "status": f.get("status"),
+                         "vae_after_switch": f.get("vae_after_switch")})
     best = lambda key: max((x[key] for x in rows if x["system"].startswith("diffusers") and x.get(key)), default=None)  # noqa: E731
     best_cold, best_steady = best("images_per_s"), best("images_per_s_steady")
     out = ["## The mixed storyboard (issue 17, point 3)", "",
@@ -85,6 +113,8 @@ def storyboard_md(fleet_doc: dict | None, diffusers: dict | None) -> list[str]:
     for x in rows:
         sizes = "; ".join(f"{s} {json.dumps(v)}" for s, v in (x.get("per_size") or {}).items())
         out.append(f"- {x['system']} ({x.get('status')}): {sizes or '-'}")
+        if x.get("vae_after_switch"):
+            out.append(f"  - VAE after the same size / after another: {json.dumps(x['vae_after_switch'])}")
     return out + [""]
 
 

@@ -121,13 +121,19 @@ impl Default for CudaTuning {
 }
 
 /// cuDNN's convolution algorithm search (`cudnn_conv_algo_search`).
+///
+/// With cuDNN 9, ONNX Runtime's CUDA convolutions go through cuDNN's frontend and keep the plan
+/// of their last input shape only: every change of shape builds the plans again, with the
+/// heuristic this picks. On the H200 (deploy/gpu/RESULTS.md, lease of 2026-12-04, third) a VAE
+/// decode after a decode of another size took ~1.3 s against ~0.15 s after the same size on
+/// `Exhaustive`; the UNet on `Heuristic` paid ~25 ms a switch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum ConvSearch {
-    /// Benchmark every algorithm on the first call of each shape (ONNX Runtime's default).
+    /// ONNX Runtime's default: cuDNN's slower, more thorough heuristic (mode B).
     #[default]
     Exhaustive,
-    /// cuDNN's own ranking, no benchmarking: a faster first call.
+    /// cuDNN's quick heuristic (mode A): cheaper plans at each new shape.
     Heuristic,
     /// The fixed default algorithm (slow on SDXL: 4x the UNet time on an H200).
     Default,
