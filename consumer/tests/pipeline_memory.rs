@@ -180,3 +180,31 @@ fn every_decode_gives_the_arena_back_so_each_image_starts_from_the_weights() {
     let kept = keeping.cpu_arena_stats().unwrap();
     assert_eq!(kept.num_shrinkages, loaded.num_shrinkages, "{loaded:?} -> {kept:?}");
 }
+
+/// `shrink_arenas` runs the decoder only where its arena holds more than its weights: after a
+/// decode that failed, or where it keeps its arena. A decoder that gave its regions back at the
+/// end of its last decode is left out, because on a GPU a tiny decode between two decodes of
+/// one size makes every convolution plan again (~1.1 s a decode on the H200). Counted as the
+/// allocations one shrink makes, which the decoder's tiny run adds to.
+#[test]
+fn an_arena_shrink_runs_the_decoder_only_where_its_arena_holds_more_than_its_weights() {
+    let shrink_allocs = |p: &Pipeline| {
+        let before = p.cpu_arena_stats().unwrap().num_allocs;
+        p.shrink_arenas().unwrap();
+        p.cpu_arena_stats().unwrap().num_allocs - before
+    };
+    let pipeline = capped();
+    pipeline.render(&request(128, 1, 1, 6.0), &mut go).unwrap();
+    let without_decoder = shrink_allocs(&pipeline);
+
+    let err = pipeline.render(&request(512, 1, 1, 1.0), &mut go).unwrap_err();
+    assert_arena_oom(&err, Stage::Vae);
+    let after_failure = shrink_allocs(&pipeline);
+    assert!(after_failure > without_decoder, "after the failed decode {after_failure} allocations, after a good one {without_decoder}");
+    // That shrink's own decode gave its regions back: the next leaves the decoder out again.
+    assert_eq!(shrink_allocs(&pipeline), without_decoder);
+
+    let keeping = Pipeline::load(&model_dir(), &PipelineOptions { cpu_arena_max_mem: Some(CAP), vae_keeps_arena: true, ..cpu_options() }).unwrap();
+    keeping.render(&request(128, 1, 1, 6.0), &mut go).unwrap();
+    assert!(shrink_allocs(&keeping) > without_decoder, "a decoder that keeps its arena is shrunk by running it");
+}

@@ -92,6 +92,17 @@ pub(crate) enum Shrink {
     EveryRun,
 }
 
+/// Whether a render decodes its latents into images.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Decode {
+    Images,
+    /// The UNet's latents are left undecoded: the arena shrink's tiny render where the decoder's
+    /// arena holds nothing to give back ([`Pipeline::shrink_arenas`]).
+    ///
+    /// [`Pipeline::shrink_arenas`]: super::Pipeline::shrink_arenas
+    Skip,
+}
+
 /// The run options of one render: plain ones, and ones that also shrink the arena; both
 /// terminate with the handle.
 pub(crate) struct Runs {

@@ -56,7 +56,7 @@ pub use session::ArenaStats;
 pub use text_encoder::PromptEmbeds;
 
 use model::FolderConfig;
-use control::{Runs, Shrink};
+use control::{Decode, Runs, Shrink};
 use scheduler::{EulerDiscrete, Schedule};
 use session::Elem;
 use text_encoder::TextEncoders;
@@ -472,16 +472,17 @@ impl Pipeline {
         Ok(pipeline)
     }
 
-    /// Runs one tiny render ([`Pipeline::shrink_arenas`]) on every run thread at once, so each
-    /// thread's per-thread memory in ONNX Runtime's CUDA provider (about 588 MiB on the H200) is
-    /// paid here, while loading, and counted with the models: a thread's first job would
+    /// Runs one tiny render (as [`Pipeline::shrink_arenas`], every graph) on every run thread at
+    /// once, so each thread's per-thread memory in ONNX Runtime's CUDA provider (about 588 MiB on
+    /// the H200) is paid here, while loading, and counted with the models: a thread's first job would
     /// otherwise add it mid-serving, outside every estimate, and the leak guard would see it as
     /// growth. Returns the threads' names, in pool order.
     fn warm_run_threads(&self) -> Result<Vec<String>, LoadError> {
         self.run_threads
             .broadcast(|_| {
                 let name = std::thread::current().name().unwrap_or("unnamed").to_owned();
-                self.shrink_arenas().map(|()| name.clone()).map_err(|e| format!("{name}: {e}"))
+                // Every graph, the decoder included: each has its per-thread memory.
+                self.tiny_render(Decode::Images).map(|()| name.clone()).map_err(|e| format!("{name}: {e}"))
             })
             .into_iter()
             .collect::<Result<Vec<_>, _>>()
@@ -536,11 +537,25 @@ impl Pipeline {
     /// BFC arena is left holding regions cut to the failed run's sizes, and a later large
     /// request can fail on fragmentation alone. ONNX Runtime shrinks arenas only at the end of a
     /// run that asks for it, so this renders one tiny image (8x8 latents, one step, no
-    /// guidance) whose every run asks; that costs milliseconds, not a real render.
+    /// guidance) whose every run asks.
+    ///
+    /// The decoder runs in it only where its arena holds more than its weights (it keeps its
+    /// arena, or its last run did not end well): a decoder that gives its regions back after
+    /// every decode has nothing to give here, and on a GPU each of its convolutions keeps the
+    /// cuDNN plan of its last input shape only, so a tiny decode between two decodes of one
+    /// size made the second plan again (~1.1 s a decode on the H200; deploy/gpu/RESULTS.md,
+    /// lease of 2026-12-04, third). The UNet's runs here cost the next render its plans too
+    /// (~25 ms on `conv_algo_search = "heuristic"`), but its arena is the one to give back.
     ///
     /// # Errors
     /// As [`Pipeline::render`].
     pub fn shrink_arenas(&self) -> Result<(), RenderError> {
+        let decode = if self.vae.holds_only_weights() { Decode::Skip } else { Decode::Images };
+        self.tiny_render(decode)
+    }
+
+    /// One render of 8x8 latents, one step, no guidance, every run shrinking its arena.
+    fn tiny_render(&self, decode: Decode) -> Result<(), RenderError> {
         let side = 8 * self.info.vae_scale_factor;
         let tiny = RenderRequest {
             prompt: String::new(),
@@ -553,7 +568,8 @@ impl Pipeline {
             image_indices: vec![0],
             max_batch: 1,
         };
-        self.render_inner(&tiny, None, None, &RenderControl::default(), Shrink::EveryRun, &mut |_| ControlFlow::Continue(()))?;
+        let go = &mut |_| ControlFlow::Continue(());
+        self.render_parts(std::slice::from_ref(&tiny), None, None, None, &RenderControl::default(), Shrink::EveryRun, decode, go)?;
         Ok(())
     }
 
@@ -659,7 +675,7 @@ impl Pipeline {
         control: &RenderControl,
         on_step: &mut dyn FnMut(StepProgress) -> ControlFlow<()>,
     ) -> Result<Vec<RenderOutput>, RenderError> {
-        self.render_parts(reqs, None, None, None, control, Shrink::Requested, on_step)
+        self.render_parts(reqs, None, None, None, control, Shrink::Requested, Decode::Images, on_step)
     }
 
     fn render_inner(
@@ -671,7 +687,7 @@ impl Pipeline {
         shrink: Shrink,
         on_step: &mut dyn FnMut(StepProgress) -> ControlFlow<()>,
     ) -> Result<RenderOutput, RenderError> {
-        let mut outputs = self.render_parts(std::slice::from_ref(req), noise, trace, None, control, shrink, on_step)?;
+        let mut outputs = self.render_parts(std::slice::from_ref(req), noise, trace, None, control, shrink, Decode::Images, on_step)?;
         Ok(outputs.remove(0))
     }
 
@@ -685,6 +701,7 @@ impl Pipeline {
         loras: Option<&lora::ResidentSet>,
         control: &RenderControl,
         shrink: Shrink,
+        decode: Decode,
         on_step: &mut dyn FnMut(StepProgress) -> ControlFlow<()>,
     ) -> Result<Vec<RenderOutput>, RenderError> {
         let Some(first) = reqs.first() else {
@@ -797,6 +814,10 @@ impl Pipeline {
             timings.unet += started.elapsed();
             if let Some(t) = trace.as_deref_mut() {
                 t.latents_final.extend_from_slice(&latents);
+            }
+            if decode == Decode::Skip {
+                done += n;
+                continue;
             }
 
             for (k, &(r, index)) in chunk.iter().enumerate() {

@@ -21,6 +21,8 @@
 //! attention is quadratic in the latent area). The image is close to, not equal to, the whole
 //! decode: each tile sees only its own latents.
 
+use std::sync::atomic::{AtomicBool, Ordering};
+
 use ort::environment::Environment;
 use ort::memory::{AllocationDevice, AllocatorType, MemoryInfo, MemoryType};
 
@@ -34,6 +36,9 @@ pub(crate) struct VaeDecoder {
     session: ModelSession,
     /// [`PipelineOptions::vae_keeps_arena`].
     keeps_arena: bool,
+    /// The arena holds nothing but the weights: its last run ended well and gave its regions
+    /// back. False from the start of every run until then, and at load.
+    weights_only: AtomicBool,
     input: Port,
     output: String,
     scaling_factor: f32,
@@ -82,11 +87,20 @@ impl VaeDecoder {
         Ok(VaeDecoder {
             session,
             keeps_arena: options.vae_keeps_arena,
+            weights_only: AtomicBool::new(false),
             input,
             output,
             scaling_factor: config.vae_scaling_factor,
             latent_channels,
         })
+    }
+
+    /// Whether the arena holds nothing a shrink could give back ([`Pipeline::shrink_arenas`]
+    /// leaves the decoder out then).
+    ///
+    /// [`Pipeline::shrink_arenas`]: super::Pipeline::shrink_arenas
+    pub(crate) fn holds_only_weights(&self) -> bool {
+        self.weights_only.load(Ordering::Acquire)
     }
 
     /// Decodes one image's final latents `[c, h, w]`, whole or in tiles. `is_last`: this is
@@ -137,8 +151,10 @@ impl VaeDecoder {
         let host = MemoryInfo::new(AllocationDevice::CPU, 0, AllocatorType::Device, MemoryType::Default).map_err(err)?;
         binding.bind_input(self.input.name.as_str(), &input).map_err(err)?;
         binding.bind_output_to_device(self.output.as_str(), &host).map_err(err)?;
-        let options = if self.keeps_arena { runs.last(is_last) } else { runs.decode() };
+        let (options, gives_back) = if self.keeps_arena { (runs.last(is_last), false) } else { (runs.decode(), true) };
+        self.weights_only.store(false, Ordering::Release);
         let outputs = session.run_binding_with_options(&binding, options).map_err(err)?;
+        self.weights_only.store(gives_back, Ordering::Release);
         let (shape, chw) = extract_f32(&outputs[0]).map_err(|detail| RenderError::Output { stage: Stage::Vae, detail })?;
         if shape.len() != 4 || shape[0] != 1 || shape[1] != 3 {
             return Err(RenderError::Output { stage: Stage::Vae, detail: format!("{} has shape {shape:?}, expected [1, 3, H, W]", self.output) });

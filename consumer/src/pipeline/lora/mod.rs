@@ -35,7 +35,7 @@ pub use pool::{Acquired, LoraPool, PoolLimits, PoolStats, SetKey, Source};
 
 use super::error::RenderError;
 use super::{Pipeline, RenderControl, RenderOutput, RenderRequest, StepProgress, Trace};
-use super::control::Shrink;
+use super::control::{Decode, Shrink};
 
 impl Pipeline {
     /// Whether the model was prepared for LoRAs (its UNet has a `lora_map.json`).
@@ -107,7 +107,7 @@ impl Pipeline {
         on_step: &mut dyn FnMut(StepProgress) -> ControlFlow<()>,
     ) -> Result<Vec<RenderOutput>, RenderError> {
         self.check_set(loras)?;
-        self.render_parts(reqs, None, None, loras, control, Shrink::Requested, on_step)
+        self.render_parts(reqs, None, None, loras, control, Shrink::Requested, Decode::Images, on_step)
     }
 
     /// [`Pipeline::render_traced`] with a LoRA set: the parity tests against diffusers.
@@ -124,7 +124,7 @@ impl Pipeline {
         self.check_set(loras)?;
         let mut trace = Trace::default();
         let mut outputs =
-            self.render_parts(std::slice::from_ref(req), noise, Some(&mut trace), loras, &RenderControl::default(), Shrink::Requested, on_step)?;
+            self.render_parts(std::slice::from_ref(req), noise, Some(&mut trace), loras, &RenderControl::default(), Shrink::Requested, Decode::Images, on_step)?;
         Ok((outputs.remove(0), trace))
     }
 
