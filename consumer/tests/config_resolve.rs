@@ -5,6 +5,7 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 
 use shotfleet_consumer::config::{DeviceKind, Overrides, WorkerConfig};
+use shotfleet_consumer::pipeline::ConvSearch;
 use shotfleet_schema::MemoryClass;
 use shotfleet_schema::nats::NatsArgs;
 
@@ -116,12 +117,29 @@ fn the_binary_refuses_bad_config_with_exit_code_2() {
 
 #[test]
 fn per_graph_cuda_options_default_to_onnx_runtimes_own() {
-    let config: WorkerConfig = toml::from_str("[cuda.unet]\nconv_algo_search = \"heuristic\"\nmem_pattern = false\n").unwrap();
+    let config: WorkerConfig = toml::from_str("[cuda.unet]\nconv_algo_search = \"exhaustive\"\nmem_pattern = false\n").unwrap();
+    assert_eq!(config.cuda.unet_conv_search(), ConvSearch::Exhaustive, "set: as set");
     assert!(!config.cuda.unet.mem_pattern);
     assert!(config.cuda.unet.conv_max_workspace, "not set: ONNX Runtime's default");
     assert!(config.cuda.vae.mem_pattern, "not set: ONNX Runtime's default");
     let e = toml::from_str::<WorkerConfig>("[cuda.vae]\nmem_patterns = false\n").unwrap_err().to_string();
     assert!(e.contains("unknown field `mem_patterns`") && e.contains("mem_pattern"), "{e}");
+}
+
+#[test]
+fn the_unets_convolution_search_defaults_to_the_heuristic_and_the_decoders_to_onnx_runtimes() {
+    // Unset, each graph's own: a [cuda.unet] table that sets something else keeps the UNet's.
+    for text in ["", "[cuda.unet]\nmem_pattern = false\n"] {
+        let config: WorkerConfig = toml::from_str(text).unwrap();
+        assert_eq!(config.cuda.unet_conv_search(), ConvSearch::Heuristic, "{text:?}");
+        assert_eq!(config.cuda.vae_conv_search(), ConvSearch::Exhaustive, "{text:?}");
+    }
+    let config: WorkerConfig = toml::from_str("[cuda.vae]\nconv_algo_search = \"heuristic\"\n").unwrap();
+    assert_eq!(config.cuda.vae_conv_search(), ConvSearch::Heuristic);
+    // What a stored calibration is keyed by (worker/startup.rs): the searches as resolved.
+    assert_eq!(config.cuda.describe(), "UNet heuristic search; VAE heuristic search");
+    let config: WorkerConfig = toml::from_str("[cuda.vae]\nconv_max_workspace = false\nmem_pattern = false\n").unwrap();
+    assert_eq!(config.cuda.describe(), "UNet heuristic search; VAE exhaustive search, workspace capped, no memory patterns");
 }
 
 #[test]

@@ -16,14 +16,15 @@
 #   storyboard-stored  the same shots again from a new worker process that starts with the state
 #                folder the first run left (its stored calibration: one fitness render instead of
 #                the probes), as a fleet's worker restarts; `storyboard_stored` in the summary
-#   storyboard-vae-heuristic  as storyboard-stored, the VAE decoder on cuDNN's heuristic search
-#                (`[cuda.vae] conv_algo_search = "heuristic"`): ONNX Runtime builds a convolution's
-#                plan again at every switch of size, ~1.15 s a VAE decode on the default search
-#                (RESULTS.md, lease of 2026-12-04, third); the summary's `vae_after_switch` of
-#                each run says what a switch costs
+#   storyboard-vae-heuristic  as storyboard (a cold worker: other CUDA options are another
+#                calibration), the VAE decoder on cuDNN's heuristic search (`[cuda.vae]
+#                conv_algo_search = "heuristic"`): ONNX Runtime builds a convolution's plan again
+#                at every switch of size, ~1.15 s a VAE decode on the default search (RESULTS.md,
+#                lease of 2026-12-04, third); the summary's `vae_after_switch` of each run says
+#                what a switch costs
 #
-# STORY_RUNS (storyboard,storyboard-stored,storyboard-vae-heuristic) picks; the second and the
-# third need the first in the same call.
+# STORY_RUNS (storyboard,storyboard-stored,storyboard-vae-heuristic) picks; the second needs the
+# first in the same call.
 #
 # The CPU dry run divides every side by 8 (128² .. 152x104) and renders STEPS (8) steps.
 
@@ -42,8 +43,8 @@ stage_storyboard() {
     rm -rf "$WORK/state-kept"
     story_run storyboard "the mixed storyboard from a cold worker" ""
     story_run storyboard-stored "the mixed storyboard from a cold worker with the first run's state folder" "$WORK/state-kept"
-    story_run storyboard-vae-heuristic "the mixed storyboard, stored calibration, the VAE on cuDNN's heuristic search" \
-        "$WORK/state-kept" $'\n\n[cuda.vae]\nconv_algo_search = "heuristic"'
+    story_run storyboard-vae-heuristic "the mixed storyboard from a cold worker, the VAE on cuDNN's heuristic search" \
+        "" $'\n\n[cuda.vae]\nconv_algo_search = "heuristic"'
 }
 
 # story_run NAME LABEL KEPT [TABLES]: one storyboard run; KEPT, when set, the state folder its
@@ -77,7 +78,7 @@ story_run() {
     run_end
     # What the first run's worker stored (its calibration) for a restart; nothing to keep when
     # it stored none (a calibration cut short is not stored).
-    if [ -z "$kept" ] && compgen -G "$WORK/state/fingerprint-*.json" > /dev/null; then
+    if [ "$name" = storyboard ] && compgen -G "$WORK/state/fingerprint-*.json" > /dev/null; then
         cp -a "$WORK/state" "$WORK/state-kept"
     fi
 }

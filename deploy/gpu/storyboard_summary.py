@@ -25,7 +25,7 @@ from storyboards import firsts_of_sizes
 FLEET_RUNS = (
     ("storyboard", "shotfleet (cold worker)"),
     ("storyboard_stored", "shotfleet (cold worker, stored calibration)"),
-    ("storyboard_vae_heuristic", "shotfleet (stored calibration, VAE heuristic search)"),
+    ("storyboard_vae_heuristic", "shotfleet (cold worker, VAE heuristic search)"),
 )
 
 

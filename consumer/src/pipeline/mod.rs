@@ -86,12 +86,52 @@ pub struct CudaConfig {
     pub vae: CudaTuning,
 }
 
-/// One graph's CUDA provider options. Defaults are ONNX Runtime's own.
+impl CudaConfig {
+    /// The UNet's convolution search: as set, else `Heuristic`. On the H200 it made the fused
+    /// UNet's call 3% faster than ONNX Runtime's default (deploy/gpu/RESULTS.md, fourth lease of
+    /// 2026-11-30), every fleet figure since was measured with it, and the plans it builds again
+    /// at each new size cost ~25 ms a render (lease of 2026-12-04, third).
+    pub fn unet_conv_search(&self) -> ConvSearch {
+        self.unet.conv_algo_search.unwrap_or(ConvSearch::Heuristic)
+    }
+
+    /// The VAE decoder's: as set, else ONNX Runtime's `Exhaustive` (its decode on `Heuristic` is
+    /// not measured yet).
+    pub fn vae_conv_search(&self) -> ConvSearch {
+        self.vae.conv_algo_search.unwrap_or_default()
+    }
+
+    /// The options as they bear on a render's memory (the algorithms' workspaces, the memory
+    /// patterns, a captured graph's buffers), e.g. "UNet heuristic search; VAE exhaustive
+    /// search, workspace capped": a calibration is only good for the options it ran with.
+    pub fn describe(&self) -> String {
+        let graph = |name: &str, tuning: &CudaTuning, search: ConvSearch| {
+            let mut parts = vec![format!("{name} {} search", format!("{search:?}").to_lowercase())];
+            if !tuning.conv_max_workspace {
+                parts.push("workspace capped".into());
+            }
+            if !tuning.mem_pattern {
+                parts.push("no memory patterns".into());
+            }
+            if tuning.fuse_conv_bias {
+                parts.push("bias fused".into());
+            }
+            if tuning.graph {
+                parts.push("CUDA graph".into());
+            }
+            parts.join(", ")
+        };
+        format!("{}; {}", graph("UNet", &self.unet, self.unet_conv_search()), graph("VAE", &self.vae, self.vae_conv_search()))
+    }
+}
+
+/// One graph's CUDA provider options. Defaults are ONNX Runtime's own, but the convolution
+/// search's, which is the graph's ([`CudaConfig::unet_conv_search`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct CudaTuning {
-    /// How cuDNN picks convolution algorithms.
-    pub conv_algo_search: ConvSearch,
+    /// How cuDNN picks convolution algorithms; unset, the graph's default.
+    pub conv_algo_search: Option<ConvSearch>,
     /// Let cuDNN's search and the chosen algorithms use as much workspace as the fastest
     /// algorithm wants (`cudnn_conv_use_max_workspace`, ONNX Runtime's default). During the
     /// exhaustive search of a new shape ONNX Runtime allocates from the arena the largest
@@ -116,7 +156,7 @@ pub struct CudaTuning {
 
 impl Default for CudaTuning {
     fn default() -> Self {
-        Self { conv_algo_search: ConvSearch::default(), conv_max_workspace: true, fuse_conv_bias: false, graph: false, mem_pattern: true }
+        Self { conv_algo_search: None, conv_max_workspace: true, fuse_conv_bias: false, graph: false, mem_pattern: true }
     }
 }
 

@@ -74,6 +74,11 @@ pub async fn prepare(config: &WorkerConfig) -> Result<Ready, WorkerError> {
         // (ProbeRuns): other needs than a worker that keeps its arenas.
         model_key.push_str(" (cold renders)");
     }
+    if config.device == DeviceKind::Cuda {
+        // cuDNN's algorithms, their workspaces and ONNX Runtime's memory patterns change
+        // what a render holds: a calibration made under other options is not this worker's.
+        model_key.push_str(&format!(" ({})", config.cuda.describe()));
+    }
     let key = FingerprintKey {
         device: after.device.clone(),
         model: model_key,
