@@ -515,7 +515,7 @@ impl Fetching<'_> {
             return Ok(self.shrink_if_kept_out(&admission, free).await);
         }
         self.shrunk_for_room = false;
-        let mut deliveries = lora::by_set(deliveries).into_iter().peekable();
+        let mut deliveries = lora::in_slot_order(deliveries).into_iter().peekable();
         while deliveries.peek().is_some() {
             let batch: Vec<_> = deliveries.by_ref().take(per_slot).collect();
             batch.iter().for_each(|_| guard.job_started());

@@ -23,9 +23,9 @@
 //! no device memory to place the set: given back; a model without LoRA maps: a failed attempt
 //! (another worker may take the job), reason `attempts` at the limit with the fix in the detail.
 //!
-//! **Order.** Jobs fetched together are handed to the slots grouped by the LoRAs they name
-//! ([`by_set`]), so a slot's jobs can share batches; inside a slot, groups whose set is on the
-//! device go first (`group.rs`).
+//! **Order.** Jobs fetched together are handed to the slots grouped by the LoRAs they name, and
+//! within a set by size, steps and guidance ([`in_slot_order`]), so a slot's jobs can share
+//! batches; inside a slot, groups whose set is on the device go first (`group.rs`).
 //!
 //! - `config`: the `[lora]` section.
 
@@ -279,11 +279,25 @@ impl Loras {
 }
 
 /// Orders deliveries fetched together so that jobs naming the same LoRAs at the same weights
-/// (`ShotJob::lora_set`) follow one another, in order of first appearance: the slots they are
-/// split into then hold jobs that can share batches. All of them start in this round whatever
-/// their place, so priorities lose nothing. A payload that does not decode keeps its place.
-pub(crate) fn by_set(deliveries: Vec<Delivery>) -> Vec<Delivery> {
-    grouped(deliveries, |delivery| decode_job(delivery.content_type().as_deref(), &delivery.message.payload).ok().map(|job| job.lora_set()))
+/// (`ShotJob::lora_set`) follow one another, and within a set those of one size, step count
+/// and guidance, each in order of first appearance: the slots they are split into then hold
+/// jobs that can share batches, and the VAE decoder sees fewer changes of size (each costs its
+/// convolutions new plans on a GPU: deploy/gpu/RESULTS.md). All of them start in this round
+/// whatever their place, so priorities lose nothing. A payload that does not decode keeps its
+/// place.
+pub(crate) fn in_slot_order(deliveries: Vec<Delivery>) -> Vec<Delivery> {
+    let job = |delivery: &Delivery| decode_job(delivery.content_type().as_deref(), &delivery.message.payload).ok();
+    slot_order(
+        deliveries,
+        |delivery| job(delivery).map(|job| job.lora_set()),
+        |delivery| job(delivery).map(|job| (job.width, job.height, job.steps, job.guidance.to_bits())),
+    )
+}
+
+/// `items` grouped by `set`, and within a set by `render` (what a shared batch needs alike).
+fn slot_order<T, S: Eq + Hash, R: Eq + Hash>(items: Vec<T>, set: impl Fn(&T) -> Option<S>, render: impl Fn(&T) -> Option<R>) -> Vec<T> {
+    // Both sorts are stable: grouping by set last keeps each set's items in their render order.
+    grouped(grouped(items, render), set)
 }
 
 /// `items` stably ordered by the first appearance of their key; an item without one is a group
@@ -375,6 +389,14 @@ mod tests {
         let fetched = vec![(1, Some("mei")), (2, Some("kai")), (3, None), (4, Some("mei")), (5, Some("")), (6, Some("kai"))];
         let order: Vec<u32> = grouped(fetched, |(_, set)| *set).into_iter().map(|(id, _)| id).collect();
         assert_eq!(order, [1, 4, 2, 6, 3, 5]);
+    }
+
+    #[test]
+    fn within_a_set_jobs_that_can_share_a_batch_follow_one_another() {
+        // (id, set, size): a storyboard of two characters over two sizes, interleaved.
+        let fetched = vec![(1, "mei", 1024), (2, "kai", 1152), (3, "mei", 1152), (4, "kai", 1024), (5, "mei", 1024), (6, "mei", 1152)];
+        let order: Vec<u32> = slot_order(fetched, |(_, set, _)| Some(*set), |(_, _, size)| Some(*size)).into_iter().map(|(id, ..)| id).collect();
+        assert_eq!(order, [1, 5, 3, 6, 4, 2]);
     }
 
     #[test]
