@@ -88,7 +88,7 @@ pub struct CudaConfig {
 
 impl CudaConfig {
     /// The UNet's convolution search: as set, else `Heuristic`. On the H200 it made the fused
-    /// UNet's call 3% faster than ONNX Runtime's default (deploy/gpu/RESULTS.md, fourth lease of
+    /// UNet's call 3% faster than ONNX Runtime's default (deploy/gpu/RESULTS.md, first lease of
     /// 2026-11-30), every fleet figure since was measured with it, and the plans it builds again
     /// at each new size cost ~25 ms a render (lease of 2026-12-04, third).
     pub fn unet_conv_search(&self) -> ConvSearch {
