@@ -78,10 +78,12 @@ def vae_after_switch(done: list[dict], size) -> dict:
         if key not in seen:
             seen.add(key)
             renders.append(key)
-    same = [vae for (s, _, vae), (before, _, _) in zip(renders[1:], renders) if s == before and vae is not None]
-    other = [vae for (s, _, vae), (before, _, _) in zip(renders[1:], renders) if s != before and vae is not None]
+    after_same: dict[bool, list] = {True: [], False: []}
+    for (s, _, vae), (before, _, _) in zip(renders[1:], renders):
+        if vae is not None:
+            after_same[s == before].append(vae)
     stat = lambda xs: {"renders": len(xs), "vae_ms_median": statistics.median(xs) if xs else None}  # noqa: E731
-    return {"after_same_size": stat(same), "after_other_size": stat(other)}
+    return {"after_same_size": stat(after_same[True]), "after_other_size": stat(after_same[False])}
 
 
 def storyboard_md(fleet_doc: dict | None, diffusers: dict | None) -> list[str]:

@@ -583,7 +583,7 @@ impl Pipeline {
     /// arena, or its last run did not end well): a decoder that gives its regions back after
     /// every decode has nothing to give here, and on a GPU each of its convolutions keeps the
     /// cuDNN plan of its last input shape only, so a tiny decode between two decodes of one
-    /// size made the second plan again (~1.1 s a decode on the H200; deploy/gpu/RESULTS.md,
+    /// size makes the second plan again (~1.1 s a decode on the H200; deploy/gpu/RESULTS.md,
     /// lease of 2026-12-04, third). The UNet's runs here cost the next render its plans too
     /// (~25 ms on `conv_algo_search = "heuristic"`), but its arena is the one to give back.
     ///

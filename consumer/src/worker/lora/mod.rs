@@ -286,12 +286,19 @@ impl Loras {
 /// whatever their place, so priorities lose nothing. A payload that does not decode keeps its
 /// place.
 pub(crate) fn in_slot_order(deliveries: Vec<Delivery>) -> Vec<Delivery> {
-    let job = |delivery: &Delivery| decode_job(delivery.content_type().as_deref(), &delivery.message.payload).ok();
-    slot_order(
-        deliveries,
-        |delivery| job(delivery).map(|job| job.lora_set()),
-        |delivery| job(delivery).map(|job| (job.width, job.height, job.steps, job.guidance.to_bits())),
-    )
+    // Each payload decoded once: its set and what a shared batch needs alike.
+    let keyed: Vec<_> = deliveries
+        .into_iter()
+        .map(|delivery| {
+            let job = decode_job(delivery.content_type().as_deref(), &delivery.message.payload).ok();
+            let keys = job.map(|job| (job.lora_set(), (job.width, job.height, job.steps, job.guidance.to_bits())));
+            (delivery, keys)
+        })
+        .collect();
+    slot_order(keyed, |(_, keys)| keys.as_ref().map(|(set, _)| set.clone()), |(_, keys)| keys.as_ref().map(|(_, render)| *render))
+        .into_iter()
+        .map(|(delivery, _)| delivery)
+        .collect()
 }
 
 /// `items` grouped by `set`, and within a set by `render` (what a shared batch needs alike).
