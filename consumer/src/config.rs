@@ -12,6 +12,7 @@
 //! classes = ["xs", "s", "m"]       # the classes this card serves at most, or "auto": what it holds
 //! concurrency = 1                  # jobs rendered at once
 //! batch_jobs = 4                   # compatible jobs rendered together in shared UNet batches
+//! lookahead = 12                   # jobs fetched ahead to find them on a mixed queue (default 3 x batch_jobs)
 //! grace_period = "60s"
 //! job_time_limit = "10m"
 //!
@@ -193,9 +194,13 @@ pub struct WorkerConfig {
     /// Jobs rendered at the same time (each in its own UNet batches); as many more may be
     /// uploading and committing, their renders done.
     pub concurrency: usize,
-    /// Up to this many compatible jobs (same size, steps, guidance) fetched together are rendered
-    /// in shared UNet batches, when the budget holds all their images. 1: off.
+    /// Up to this many compatible jobs (same size, steps, guidance, LoRA set) dealt to one slot
+    /// are rendered in shared UNet batches, when the budget holds all their images. 1: off.
     pub batch_jobs: usize,
+    /// Jobs fetched beyond `batch_jobs` per free slot while the queue is deep, kept alive in the
+    /// worker's reserve, so that a slot finds batch partners for its lead on a queue of mixed
+    /// sizes (worker/reserve.rs). `None`: three times `batch_jobs` when batching, else 0.
+    pub lookahead: Option<usize>,
     /// On SIGTERM, how long in-flight jobs may take to finish before they are naked.
     #[serde(with = "humantime_serde")]
     pub grace_period: Duration,
@@ -256,6 +261,7 @@ impl Default for WorkerConfig {
             classes: Classes::default(),
             concurrency: 1,
             batch_jobs: 1,
+            lookahead: None,
             grace_period: Duration::from_secs(60),
             job_time_limit: Duration::from_secs(600),
             progress_interval: None,
@@ -409,6 +415,13 @@ impl WorkerConfig {
         if self.batch_jobs == 0 || self.batch_jobs > 64 {
             return Err(bad("batch_jobs", format!("{} is outside 1..=64", self.batch_jobs)));
         }
+        match self.lookahead {
+            Some(n) if n > 256 => return Err(bad("lookahead", format!("{n} is outside 0..=256"))),
+            Some(n) if n > 0 && self.batch_jobs == 1 => {
+                return Err(bad("lookahead", "it only finds batch partners: set batch_jobs above 1, or leave lookahead out"));
+            }
+            _ => {}
+        }
         if self.job_time_limit < Duration::from_secs(1) {
             return Err(bad("job_time_limit", "must be at least 1s"));
         }
@@ -477,6 +490,12 @@ impl WorkerConfig {
             ));
         }
         Ok(())
+    }
+
+    /// Jobs fetched ahead of the free slots while the queue is deep (`lookahead`, its default
+    /// when unset).
+    pub fn lookahead(&self) -> usize {
+        self.lookahead.unwrap_or(if self.batch_jobs > 1 { 3 * self.batch_jobs } else { 0 })
     }
 
     /// The GPU index as the pipeline and probe see it: `None` on the CPU.

@@ -215,6 +215,21 @@ impl Worker {
         std::fs::read_to_string(self.dir.path().join("worker.log")).unwrap_or_default()
     }
 
+    /// The log without its colours (`jobs=2`, not `\x1b[3mjobs\x1b[0m\x1b[2m=\x1b[0m2`).
+    pub fn plain_log(&self) -> String {
+        let log = self.log();
+        let mut out = String::with_capacity(log.len());
+        let mut chars = log.chars();
+        while let Some(c) = chars.next() {
+            if c == '\x1b' {
+                chars.by_ref().find(|c| c.is_ascii_alphabetic());
+            } else {
+                out.push(c);
+            }
+        }
+        out
+    }
+
     pub fn metrics(&self) -> String {
         http_get(self.metrics_port, "/metrics").map(|(_, body)| body).unwrap_or_default()
     }

@@ -192,7 +192,7 @@ async fn an_s3_outage_in_the_middle_of_a_lora_download_is_retried() {
 
     let result = results(&outcomes(&js, &shots, Duration::from_secs(120)).await).remove(0);
     assert!(result.attempt >= 2, "rendered on a delivery after the failed one");
-    let log = loras::plain(&worker.log());
+    let log = worker.plain_log();
     let failed = log.lines().find(|l| l.contains("job failed, will retry")).unwrap();
     println!("{failed}");
     assert!(failed.contains("LoRA `mei.v2`") && failed.contains("retryable"), "{failed}");

@@ -103,19 +103,6 @@ pub fn check_images(root: &Path, result: &ShotResult, expected: &[Vec<u8>]) -> u
     worst
 }
 
-/// A worker's log without its colours (`jobs=2`, not `\x1b[3mjobs\x1b[0m\x1b[2m=\x1b[0m2`).
-pub fn plain(log: &str) -> String {
-    let mut out = String::with_capacity(log.len());
-    let mut chars = log.chars();
-    while let Some(c) = chars.next() {
-        if c == '\x1b' {
-            chars.by_ref().find(|c| c.is_ascii_alphabetic());
-        } else {
-            out.push(c);
-        }
-    }
-    out
-}
 
 /// The worker's `shotfleet_lora_switches_total`, all sources together.
 pub fn switches(metrics: &str) -> u64 {

@@ -167,27 +167,13 @@ async fn cold_renders_start_every_job_without_the_last_ones_cache() {
         submit(&js, &jobs).await;
         let worker = Worker::start(&server.url(), spec);
         assert_eq!(results(&outcomes(&js, &jobs, Duration::from_secs(60)).await).len(), 2);
-        let log = plain(&worker.log());
+        let log = worker.plain_log();
         let line = log.lines().find(|l| l.contains("observed peak") && l.contains(&small)).unwrap_or_else(|| panic!("no observed peak:\n{log}"));
         let mib = line.split("held_at_start_mib=").nth(1).and_then(|v| v.split_whitespace().next()).and_then(|v| v.parse::<u64>().ok());
         held.push(mib.unwrap_or_else(|| panic!("no held_at_start_mib in {line}")));
     }
     // The 512x512 UNet's arena (about 70 MiB on the tiny model) is what the plain worker kept.
     assert!(held[0] + 40 < held[1], "held at the small job's start: {} MiB with cold_renders, {} MiB without", held[0], held[1]);
-}
-
-/// A log without its colour codes.
-fn plain(log: &str) -> String {
-    let mut out = String::with_capacity(log.len());
-    let mut chars = log.chars();
-    while let Some(c) = chars.next() {
-        if c == '\u{1b}' {
-            chars.by_ref().find(|&c| c == 'm');
-        } else {
-            out.push(c);
-        }
-    }
-    out
 }
 
 #[tokio::test]

@@ -23,6 +23,7 @@ pub const GPU_MEMORY_TOTAL_BYTES: &str = "shotfleet_gpu_memory_total_bytes";
 pub const GPU_UTILIZATION_RATIO: &str = "shotfleet_gpu_utilization_ratio";
 pub const ESTIMATE_ERROR_RATIO: &str = "shotfleet_estimate_error_ratio";
 pub const IN_FLIGHT_JOBS: &str = "shotfleet_in_flight_jobs";
+pub const RESERVED_JOBS: &str = "shotfleet_reserved_jobs";
 pub const OUT_OF_MEMORY_TOTAL: &str = "shotfleet_out_of_memory_total";
 pub const SESSION_REBUILDS_TOTAL: &str = "shotfleet_session_rebuilds_total";
 pub const CLASS_SERVABLE: &str = "shotfleet_class_servable";
@@ -128,6 +129,7 @@ fn describe() {
         "(observed - estimated) / estimated peak memory per job; above 0 the estimate was too low."
     );
     describe_gauge!(IN_FLIGHT_JOBS, Unit::Count, "Jobs fetched and not yet acked, naked or terminated.");
+    describe_gauge!(RESERVED_JOBS, Unit::Count, "Jobs fetched ahead of a free render slot, kept alive until dealt to one (part of the in-flight jobs).");
     describe_gauge!(
         CLASS_SERVABLE,
         "1 for each memory class this worker serves, 0 for the others; `reason` says why (fits, not_configured, out_of_memory, over_budget), as calibrated at start."
@@ -255,17 +257,37 @@ pub fn session_rebuilt() {
 /// Counts a job in flight until the guard drops, so every exit path (ack, nak, panic unwinding)
 /// brings the gauge back down.
 #[must_use = "the job counts as in flight only while the guard lives"]
-pub fn in_flight() -> InFlight {
-    gauge!(IN_FLIGHT_JOBS).increment(1.0);
-    InFlight(())
+pub fn in_flight() -> Counted {
+    Counted::new(IN_FLIGHT_JOBS)
 }
 
-/// See [`in_flight`].
-#[derive(Debug)]
-pub struct InFlight(());
+/// Counts a job waiting in the reserve for a render slot until the guard drops; it counts as in
+/// flight meanwhile too.
+#[must_use = "the job counts as reserved only while the guard lives"]
+pub fn reserved() -> Reserved {
+    Reserved { _counted: Counted::new(RESERVED_JOBS), _in_flight: in_flight() }
+}
 
-impl Drop for InFlight {
-    fn drop(&mut self) {
-        gauge!(IN_FLIGHT_JOBS).decrement(1.0);
+/// One job in a gauge, while it lives.
+#[derive(Debug)]
+pub struct Counted(&'static str);
+
+impl Counted {
+    fn new(gauge: &'static str) -> Self {
+        gauge!(gauge).increment(1.0);
+        Self(gauge)
     }
+}
+
+impl Drop for Counted {
+    fn drop(&mut self) {
+        gauge!(self.0).decrement(1.0);
+    }
+}
+
+/// See [`reserved`].
+#[derive(Debug)]
+pub struct Reserved {
+    _counted: Counted,
+    _in_flight: Counted,
 }

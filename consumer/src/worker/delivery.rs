@@ -23,18 +23,21 @@ pub struct Delivery {
     pub stream_sequence: u64,
     /// When the job was published (the stream's timestamp).
     pub published: SystemTime,
-    /// How long the job waited in the stream before this delivery.
+    /// How long the job waited before it was dealt to a render slot: in the stream, then in
+    /// this worker's reserve (reserve.rs).
     pub queued: Duration,
+    /// Jobs its consumer still had waiting behind it when it was delivered.
+    pub pending: u64,
 }
 
 impl Delivery {
     pub fn new(message: jetstream::Message, origin: Origin) -> Self {
-        let (attempt, stream_sequence, published) = match message.info() {
-            Ok(info) => (info.delivered.max(1) as u64, info.stream_sequence, SystemTime::from(info.published)),
-            Err(_) => (1, 0, SystemTime::now()),
+        let (attempt, stream_sequence, published, pending) = match message.info() {
+            Ok(info) => (info.delivered.max(1) as u64, info.stream_sequence, SystemTime::from(info.published), info.pending),
+            Err(_) => (1, 0, SystemTime::now(), 0),
         };
         let queued = SystemTime::now().duration_since(published).unwrap_or_default();
-        Self { message, origin, attempt, stream_sequence, published, queued }
+        Self { message, origin, attempt, stream_sequence, published, queued, pending }
     }
 
     pub fn subject(&self) -> &str {

@@ -1,7 +1,9 @@
-//! Cross-job batching: compatible jobs (same size, steps and guidance, the same LoRA set) fetched
-//! together are rendered in shared UNet batches when the budget holds all their images at once,
-//! the main throughput lever on large cards. Each job is still committed, and acked, on its own.
-//! Groups whose set is on the device go first: the others may push it off.
+//! Cross-job batching: compatible jobs (same size, steps and guidance, the same LoRA set) dealt
+//! to one slot (reserve.rs) are rendered in shared UNet batches when the budget holds all their
+//! images at once, the main throughput lever on large cards. Each job is still committed, and
+//! acked, on its own. Should taking them tell them apart after all (a LoRA replaced in the
+//! library meanwhile), they render as several groups, those whose set is on the device first:
+//! the others may push it off.
 //!
 //! Anything unusual falls back to rendering the jobs one by one (each through its own degrade
 //! ladder): no room for the whole group, its set not placed, or any error in the shared render.
@@ -52,7 +54,7 @@ fn resident_first<T>(groups: impl IntoIterator<Item = Vec<T>>, resident: impl Fn
     groups
 }
 
-/// Handles deliveries fetched together: each to the end, compatible ones rendered as one group.
+/// Handles deliveries dealt to one slot together: each to the end, compatible ones rendered as one group.
 /// Every member is kept alive from the moment it is taken until it is settled, also while it
 /// waits for the others. What is rendered commits beside the renders that follow (as many
 /// commits at once as renders), and the render `slot` is given back after the last render, not

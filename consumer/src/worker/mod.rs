@@ -8,7 +8,8 @@
 //!
 //! - [`startup`]: load, calibrate ([`calibrate`]), fitness render; [`serving`]: the classes the
 //!   calibrated budget holds;
-//! - [`fetch`]: which consumers, how many jobs, in which order ([`priority`]);
+//! - [`fetch`]: which consumers, how many jobs, in which order ([`priority`]); [`reserve`]:
+//!   jobs fetched ahead, dealt to the free slots by priority with their batch partners;
 //! - [`job`]: one job's steps: take, [`render`] (with the in-place ladder and the time limit),
 //!   upload and [`commit`] (the outcome as the commit point), then [`settle`], the one place
 //!   that decides ack, nak, term, degrade ([`degrade`]) or stopping the worker;
@@ -41,6 +42,7 @@ pub mod ping;
 pub mod priority;
 pub mod progress;
 pub mod render;
+pub mod reserve;
 pub mod route;
 pub mod run_thread;
 pub mod settle;
@@ -398,6 +400,7 @@ async fn fetch_loop(shared: &Arc<Shared>, consumers: &fetch::Consumers, tracker:
         slots: Arc::new(Semaphore::new(shared.config.concurrency)),
         finished: Arc::new(Notify::new()),
         scheduler: priority::Scheduler::new(&shared.config.priorities, Instant::now()),
+        reserve: reserve::Reserve::new(shared.config.lookahead(), shared.keep_alive_interval()),
         idle: shared.config.idle_poll,
         shrunk_for_room: false,
         routed_at: None,
@@ -421,6 +424,8 @@ async fn fetch_loop(shared: &Arc<Shared>, consumers: &fetch::Consumers, tracker:
             break;
         }
     }
+    // Stopping (or stopped by a fault): what waits for a slot goes back for other workers now.
+    fetching.reserve.give_back().await;
 }
 
 /// The worker must stop fetching (a driver fault).
@@ -451,6 +456,8 @@ struct Fetching<'a> {
     /// Notified when a slot is given back.
     finished: Arc<Notify>,
     scheduler: priority::Scheduler,
+    /// Jobs fetched and not yet dealt to a slot.
+    reserve: reserve::Reserve,
     /// How long to wait when there was nothing to do: doubles up to ten times `idle_poll`.
     idle: Duration,
     /// Whether the arenas were shrunk since nothing last fitted: once per stall is enough.
@@ -481,9 +488,10 @@ impl Fetching<'_> {
         any
     }
 
-    /// Asks the budget what fits, fetches that much in priority order and starts it; shrinks
-    /// the arenas once when an idle worker is kept out by its own arena cache. Whether anything
-    /// started (or was shrunk: look again at once).
+    /// Asks the budget what fits, tops the reserve up in priority order, and deals each free
+    /// slot one group (reserve.rs); shrinks the arenas once when an idle worker is kept out by
+    /// its own arena cache, and gives back what it still cannot start. Whether anything started
+    /// (or was shrunk: look again at once).
     async fn admit_and_start(&mut self, guard: &mut leak::LeakGuard) -> Result<bool, Stop> {
         let shared = self.shared;
         let free = self.slots.available_permits();
@@ -506,22 +514,36 @@ impl Fetching<'_> {
         // Up to `batch_jobs` jobs per free slot: a slot renders one job, or one group of
         // compatible jobs in shared batches.
         let per_slot = shared.config.batch_jobs.max(1);
-        let deliveries = if admission.classes().is_empty() {
-            Vec::new()
-        } else {
-            self.consumers.next_jobs(&admission, free * per_slot, &mut self.scheduler).await
-        };
-        if deliveries.is_empty() {
-            return Ok(self.shrink_if_kept_out(&admission, free).await);
+        // Taken before the fetch marks priorities served: an overdue one leads this round.
+        let order = self.scheduler.order(Instant::now());
+        let wanted = self.reserve.wanted(free, per_slot);
+        if wanted > 0 && !admission.classes().is_empty() {
+            let fetched = self.consumers.next_jobs(&admission, wanted, &mut self.scheduler).await;
+            self.reserve.add(fetched);
         }
-        self.shrunk_for_room = false;
-        let mut deliveries = lora::in_slot_order(deliveries).into_iter().peekable();
-        while deliveries.peek().is_some() {
-            let batch: Vec<_> = deliveries.by_ref().take(per_slot).collect();
-            batch.iter().for_each(|_| guard.job_started());
-            self.start(batch);
+        let mut room = reserve::Room::of(&admission);
+        let mut started = false;
+        for _ in 0..free {
+            let group = self.reserve.deal(per_slot, &order, &mut room);
+            if group.is_empty() {
+                break;
+            }
+            group.iter().for_each(|_| guard.job_started());
+            self.start(group);
+            started = true;
         }
-        Ok(true)
+        if started {
+            self.shrunk_for_room = false;
+            return Ok(true);
+        }
+        if self.shrink_if_kept_out(&admission, free).await {
+            return Ok(true);
+        }
+        if free == shared.config.concurrency {
+            // Idle, shrunk, and still nothing waiting fits: other workers may hold it.
+            self.reserve.give_back().await;
+        }
+        Ok(false)
     }
 
     /// Starts one job, or one group of jobs, in a slot of its own.

@@ -23,22 +23,20 @@
 //! no device memory to place the set: given back; a model without LoRA maps: a failed attempt
 //! (another worker may take the job), reason `attempts` at the limit with the fix in the detail.
 //!
-//! **Order.** Jobs fetched together are handed to the slots grouped by the LoRAs they name, and
-//! within a set by size, steps and guidance ([`in_slot_order`]), so a slot's jobs can share
-//! batches; inside a slot, groups whose set is on the device go first (`group.rs`).
+//! **Order.** A slot is dealt jobs that name the same LoRAs at the same weights, and the same
+//! size, steps and guidance (`reserve.rs`), so they can share batches; should taking them tell
+//! them apart after all (a LoRA replaced in between), the groups whose set is on the device go
+//! first (`group.rs`).
 //!
 //! - `config`: the `[lora]` section.
 
 mod config;
 
-use std::collections::HashMap;
 use std::fmt;
-use std::hash::Hash;
 use std::sync::Arc;
 use std::time::Duration;
 
 use shotfleet_schema::ShotJob;
-use shotfleet_schema::encoding::decode_job;
 use tracing::{debug, info};
 
 pub use config::LoraConfig;
@@ -51,7 +49,6 @@ use crate::pipeline::Pipeline;
 use crate::pipeline::lora::{Acquired, Adapter, LoraError, LoraPool, ResidentSet, SetKey, Source};
 use crate::telemetry;
 use crate::worker::Shared;
-use crate::worker::delivery::Delivery;
 
 /// How long a job waits when its set found no device memory to be placed in.
 const NO_DEVICE_MEMORY_DELAY: Duration = Duration::from_secs(1);
@@ -278,51 +275,6 @@ impl Loras {
     }
 }
 
-/// Orders deliveries fetched together so that jobs naming the same LoRAs at the same weights
-/// (`ShotJob::lora_set`) follow one another, and within a set those of one size, step count
-/// and guidance, each in order of first appearance: the slots they are split into then hold
-/// jobs that can share batches, and the VAE decoder sees fewer changes of size (each costs its
-/// convolutions new plans on a GPU: deploy/gpu/RESULTS.md). All of them start in this round
-/// whatever their place, so priorities lose nothing. A payload that does not decode keeps its
-/// place.
-pub(crate) fn in_slot_order(deliveries: Vec<Delivery>) -> Vec<Delivery> {
-    // Each payload decoded once: its set and what a shared batch needs alike.
-    let keyed: Vec<_> = deliveries
-        .into_iter()
-        .map(|delivery| {
-            let job = decode_job(delivery.content_type().as_deref(), &delivery.message.payload).ok();
-            let keys = job.map(|job| (job.lora_set(), (job.width, job.height, job.steps, job.guidance.to_bits())));
-            (delivery, keys)
-        })
-        .collect();
-    slot_order(keyed, |(_, keys)| keys.as_ref().map(|(set, _)| set.clone()), |(_, keys)| keys.as_ref().map(|(_, render)| *render))
-        .into_iter()
-        .map(|(delivery, _)| delivery)
-        .collect()
-}
-
-/// `items` grouped by `set`, and within a set by `render` (what a shared batch needs alike).
-fn slot_order<T, S: Eq + Hash, R: Eq + Hash>(items: Vec<T>, set: impl Fn(&T) -> Option<S>, render: impl Fn(&T) -> Option<R>) -> Vec<T> {
-    // Both sorts are stable: grouping by set last keeps each set's items in their render order.
-    grouped(grouped(items, render), set)
-}
-
-/// `items` stably ordered by the first appearance of their key; an item without one is a group
-/// of its own.
-fn grouped<T, K: Eq + Hash>(items: Vec<T>, key: impl Fn(&T) -> Option<K>) -> Vec<T> {
-    let mut first: HashMap<K, usize> = HashMap::new();
-    let mut keyed: Vec<(usize, T)> = items
-        .into_iter()
-        .enumerate()
-        .map(|(i, item)| match key(&item) {
-            Some(k) => (*first.entry(k).or_insert(i), item),
-            None => (i, item),
-        })
-        .collect();
-    keyed.sort_by_key(|(group, _)| *group);
-    keyed.into_iter().map(|(_, item)| item).collect()
-}
-
 /// The pool's sets are the budget's LoRA line: what no render holds can be given back.
 impl DeviceLine for LoraPool {
     fn device_bytes(&self) -> u64 {
@@ -388,22 +340,6 @@ mod tests {
         let placed = LoraError::Device { source: ort::Error::new("Failed to allocate memory for requested buffer of size 100") };
         assert!(matches!(lora_error(placed).kind, ErrorKind::GiveBack { .. }));
         assert_eq!(lora_error(LoraError::NotPrepared { model: "/m".into() }).kind, ErrorKind::Transient);
-    }
-
-    #[test]
-    fn jobs_fetched_together_are_grouped_by_set_in_order_of_first_appearance() {
-        // (id, set): None for a payload that does not decode.
-        let fetched = vec![(1, Some("mei")), (2, Some("kai")), (3, None), (4, Some("mei")), (5, Some("")), (6, Some("kai"))];
-        let order: Vec<u32> = grouped(fetched, |(_, set)| *set).into_iter().map(|(id, _)| id).collect();
-        assert_eq!(order, [1, 4, 2, 6, 3, 5]);
-    }
-
-    #[test]
-    fn within_a_set_jobs_that_can_share_a_batch_follow_one_another() {
-        // (id, set, size): a storyboard of two characters over two sizes, interleaved.
-        let fetched = vec![(1, "mei", 1024), (2, "kai", 1152), (3, "mei", 1152), (4, "kai", 1024), (5, "mei", 1024), (6, "mei", 1152)];
-        let order: Vec<u32> = slot_order(fetched, |(_, set, _)| Some(*set), |(_, _, size)| Some(*size)).into_iter().map(|(id, ..)| id).collect();
-        assert_eq!(order, [1, 5, 3, 6, 4, 2]);
     }
 
     #[test]

@@ -1,0 +1,128 @@
+//! The reserve (consumer/src/worker/reserve.rs) in a real worker: jobs fetched ahead of the free
+//! slot give each render batch partners on a queue of mixed sizes, wait without the server
+//! redelivering them, and go back to the stream at once when the worker stops.
+
+use std::time::{Duration, Instant};
+
+use shotfleet_schema::nats::Topology;
+use shotfleet_schema::{subject, Priority};
+use shotfleet_testkit::NatsServer;
+use shotfleet_tests::*;
+
+/// `count` shots over three sizes in turn, as a storyboard interleaves them.
+fn storyboard(prefix: &str, count: usize, steps: u32) -> Vec<shotfleet_producer::storyboard::Shot> {
+    let sizes = [(64, 64), (64, 96), (96, 64)];
+    (0..count).map(|i| shot(Priority::P1, job(&format!("{prefix}-{i:02}"), "board", sizes[i % 3], steps, 1))).collect()
+}
+
+/// A batching worker's renders in its log, for `jobs` jobs: (renders, jobs rendered in groups).
+fn renders(log: &str, jobs: usize) -> (usize, usize) {
+    let groups: Vec<usize> = log
+        .lines()
+        .filter(|line| line.contains("rendered a group"))
+        .map(|line| {
+            let at = line.find("jobs=").unwrap_or_else(|| panic!("a group line names its jobs: {line}"));
+            line[at + 5..].split(|c: char| !c.is_ascii_digit()).next().unwrap().parse().unwrap()
+        })
+        .collect();
+    let grouped: usize = groups.iter().sum();
+    (groups.len() + jobs - grouped, grouped)
+}
+
+/// The gauge's value in a worker's metrics (0 when absent).
+fn gauge(metrics: &str, name: &str) -> f64 {
+    metrics.lines().find_map(|line| line.strip_prefix(name)?.trim().parse().ok()).unwrap_or(0.0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_a_mixed_queue_the_reserve_deals_each_render_a_fuller_batch() {
+    const JOBS: usize = 24;
+    let mut seen = Vec::new();
+    for lookahead in [0, 12] {
+        let server = NatsServer::start();
+        let js = jetstream_with(&server.url(), &Topology::default()).await;
+        let store = tempfile::tempdir().unwrap();
+        // Queued before the worker starts: the rounds it deals are the same on every machine.
+        let shots = storyboard(&format!("look{lookahead}"), JOBS, 2);
+        submit(&js, &shots).await;
+        let mut spec = WorkerSpec::new(&format!("look{lookahead}"), store.path());
+        spec.top = format!("batch_jobs = 4\nlookahead = {lookahead}");
+        let worker = Worker::start(&server.url(), spec);
+        for result in results(&outcomes(&js, &shots, Duration::from_secs(180)).await) {
+            check_store(store.path(), &result);
+            assert_eq!(result.attempt, 1, "{}: never redelivered", result.job_id);
+        }
+        wait_settled(&js, Duration::from_secs(20)).await;
+        seen.push((lookahead, renders(&worker.plain_log(), JOBS)));
+    }
+    for (lookahead, (count, grouped)) in &seen {
+        println!("lookahead {lookahead}: {JOBS} jobs over 3 sizes in {count} renders ({grouped} jobs in groups), {:.2} jobs a render", JOBS as f64 / *count as f64);
+    }
+    let [(_, (without, _)), (_, (with, _))] = seen[..] else { unreachable!() };
+    // Without a reserve a render finds its partners among the four fetched for it: in this
+    // order, one. With twelve more held while the queue is deep, the renders in the middle are
+    // full batches of four; the tail, fetched once the queue ran short, goes in pairs again
+    // (nine renders against twelve; six is the least possible).
+    assert!(without >= 12, "{seen:?}");
+    assert!(with + 3 <= without, "{seen:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jobs_waiting_in_the_reserve_are_kept_alive_past_ack_wait() {
+    let server = NatsServer::start();
+    let topology = Topology { ack_wait: Duration::from_secs(2), ..Topology::default() };
+    let js = jetstream_with(&server.url(), &topology).await;
+    let store = tempfile::tempdir().unwrap();
+    // Twelve renders of 256x256 at 30 steps, two at a time: the last ones wait in the reserve
+    // for several times ack_wait.
+    let shots: Vec<_> = (0..12).map(|i| shot(Priority::P1, job(&format!("wait-{i:02}"), "board", (256, 256), 30, 1))).collect();
+    submit(&js, &shots).await;
+    let mut spec = WorkerSpec::new("patient", store.path());
+    spec.top = "batch_jobs = 2\nlookahead = 6".into();
+    let started = Instant::now();
+    let worker = Worker::start(&server.url(), spec);
+    let done = results(&outcomes(&js, &shots, Duration::from_secs(240)).await);
+    let took = started.elapsed();
+    assert!(took > Duration::from_secs(6), "the queue took {took:?}: the reserve's wait did not pass ack_wait");
+    for result in &done {
+        assert_eq!(result.attempt, 1, "{} was redelivered while it waited:\n{}", result.job_id, worker.log());
+    }
+    // The reserve's wait counts in the wait a result reports.
+    let longest = done.iter().map(|r| r.timing.queue_ms).max().unwrap();
+    assert!(longest > 2_000, "the longest queue_ms is {longest}");
+    let stream = js.get_stream(subject::JOBS_STREAM).await.unwrap();
+    assert_eq!(stream.consumer_info("render-p1-xs").await.unwrap().num_redelivered, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopping_worker_gives_its_reserve_back_at_once() {
+    let server = NatsServer::start();
+    // Jobs left to ack_wait would come back after two minutes: the successor must be faster.
+    let topology = Topology { ack_wait: Duration::from_secs(120), ..Topology::default() };
+    let js = jetstream_with(&server.url(), &topology).await;
+    let store = tempfile::tempdir().unwrap();
+    let shots: Vec<_> = (0..12).map(|i| shot(Priority::P1, job(&format!("back-{i:02}"), "board", (256, 256), 30, 1))).collect();
+    submit(&js, &shots).await;
+    let mut spec = WorkerSpec::new("leaving", store.path());
+    spec.top = "batch_jobs = 2\nlookahead = 6".into();
+    let mut leaving = Worker::start(&server.url(), spec);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while gauge(&leaving.metrics(), "shotfleet_reserved_jobs") < 4.0 {
+        assert!(Instant::now() < deadline, "the reserve never held four jobs:\n{}", leaving.log());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(leaving.terminate(Duration::from_secs(60)), Some(0), "{}", leaving.log());
+    assert!(leaving.log().contains("giving back the jobs fetched ahead"), "{}", leaving.log());
+
+    let _successor = Worker::start(&server.url(), WorkerSpec::new("successor", store.path()));
+    // Well inside ack_wait: only a nak brings the jobs back this soon.
+    let done = results(&outcomes(&js, &shots, Duration::from_secs(90)).await);
+    // The reserve's jobs come to the successor on their second delivery; the jobs the first
+    // worker never fetched, on their first.
+    let given_back = done.iter().filter(|r| r.worker == "successor" && r.attempt == 2).count();
+    assert!(given_back >= 4, "the reserve's four jobs or more went to the successor: {done:?}");
+    assert!(done.iter().all(|r| r.attempt <= 2), "{done:?}");
+    for result in &done {
+        check_store(store.path(), result);
+    }
+}
