@@ -22,9 +22,13 @@
 #                at every switch of size, ~1.15 s a VAE decode on the default search (RESULTS.md,
 #                lease of 2026-12-04, third); the summary's `vae_after_switch` of each run says
 #                what a switch costs
+#   storyboard-no-lookahead  as storyboard, without the worker's reserve (`lookahead = 0`): each
+#                slot's batch partners come only from the jobs fetched for it, as before the
+#                reserve (worker/reserve.rs); the summary's `grouped` of each run says how many
+#                renders were groups
 #
-# STORY_RUNS (storyboard,storyboard-stored,storyboard-vae-heuristic) picks; the second needs the
-# first in the same call.
+# STORY_RUNS (storyboard,storyboard-no-lookahead,storyboard-vae-heuristic) picks;
+# storyboard-stored needs storyboard in the same call.
 #
 # The CPU dry run divides every side by 8 (128² .. 152x104) and renders STEPS (8) steps.
 
@@ -43,22 +47,24 @@ stage_storyboard() {
     rm -rf "$WORK/state-kept"
     story_run storyboard "the mixed storyboard from a cold worker" ""
     story_run storyboard-stored "the mixed storyboard from a cold worker with the first run's state folder" "$WORK/state-kept"
+    story_run storyboard-no-lookahead "the mixed storyboard from a cold worker without a reserve (lookahead = 0)" \
+        "" "" "lookahead = 0"
     story_run storyboard-vae-heuristic "the mixed storyboard from a cold worker, the VAE on cuDNN's heuristic search" \
         "" $'\n\n[cuda.vae]\nconv_algo_search = "heuristic"'
 }
 
-# story_run NAME LABEL KEPT [TABLES]: one storyboard run; KEPT, when set, the state folder its
-# worker starts with; TABLES, config tables after TUNED's.
+# story_run NAME LABEL KEPT [TABLES] [TOP]: one storyboard run; KEPT, when set, the state folder
+# its worker starts with; TABLES, config tables after TUNED's; TOP, a top-level key more.
 story_run() {
-    local name=$1 label=$2 kept=$3 tables=${4:-} timeout
+    local name=$1 label=$2 kept=$3 tables=${4:-} top=$'concurrency = 2\nbatch_jobs = 4'${5:+$'\n'$5} timeout
     wanted "$name" || return 0
     if [ "$(left)" -lt $((RUN_MIN_S + 60)) ]; then run_skip "$name" "$label" "$(left) s left"; return 0; fi
     if [ -n "$kept" ] && [ ! -d "$kept" ]; then run_skip "$name" "$label" "no stored calibration from a first run"; return 0; fi
     if run_begin "$name" "$label"; then
         [ -n "$kept" ] && cp -a "$kept/." "$WORK/state/"
-        meta top "concurrency = 2;batch_jobs = 4"
+        meta top "$(tr '\n' ';' <<< "$top")"
         meta cuda "$(tr '\n' ';' <<< "$TUNED$tables")"
-        write_config "$WORK/$name.toml" $'concurrency = 2\nbatch_jobs = 4' "$(calibration "$STORY_CALIBRATION")"$'\n\n'"$TUNED$tables"
+        write_config "$WORK/$name.toml" "$top" "$(calibration "$STORY_CALIBRATION")"$'\n\n'"$TUNED$tables"
         python3 "$REPO/deploy/gpu/storyboards.py" storyboard "$WORK/jobs.jsonl" --run "$name" --set m \
             --jobs "$STORY_JOBS" --steps "$STORY_STEPS" --scale "$SCALE" | tee "$RUN_DIR/storyboard.txt"
         timeout=$(($(left) - STOP_S - 10))

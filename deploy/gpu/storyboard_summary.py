@@ -6,7 +6,9 @@ storyboard.json, beside bench_storyboard.py's diffusers modes (report.py puts th
                  first image, per size the first job's render against the median of its later
                  ones, GPU busy over the set, and the VAE's time after a render of the same size
                  against one after another size (`vae_after_switch`: a size switch makes ONNX
-                 Runtime's convolutions build their cuDNN plans again, deploy/gpu/RESULTS.md)
+                 Runtime's convolutions build their cuDNN plans again, deploy/gpu/RESULTS.md), and
+                 how the jobs went into renders (`renders`: groups of jobs sharing UNet batches and
+                 jobs alone; the worker's reserve, worker/reserve.rs, finds the groups)
 
 Takes fleet_summary.run_summary's dict (with its private _meta, _log and _dir). Standard library only.
 """
@@ -25,6 +27,7 @@ from storyboards import firsts_of_sizes
 FLEET_RUNS = (
     ("storyboard", "shotfleet (cold worker)"),
     ("storyboard_stored", "shotfleet (cold worker, stored calibration)"),
+    ("storyboard_no_lookahead", "shotfleet (cold worker, no reserve)"),
     ("storyboard_vae_heuristic", "shotfleet (cold worker, VAE heuristic search)"),
 )
 
@@ -63,8 +66,18 @@ def fleet(run: dict) -> dict:
         first_image_after_spawn_s=r(done[0]["t"] - spawned, 2),
         per_size=per_size,
         busy_fraction=m.get("busy_fraction"), stage_ms_median=m.get("stage_ms_median"), tally=m.get("tally"),
-        submit_rc=m.get("submit_rc"), vae_after_switch=vae_after_switch(done, size))
+        submit_rc=m.get("submit_rc"), vae_after_switch=vae_after_switch(done, size), renders=renders(log, len(done)))
     return out
+
+
+def renders(log, jobs: int) -> dict:
+    """How `jobs` jobs went into renders: the groups the worker logged ("rendered a group", each
+    with its job count) and the jobs rendered alone."""
+    groups = [int(x["fields"].get("jobs") or 0) for x in log.with_message("rendered a group")]
+    alone = max(jobs - sum(groups), 0)
+    count = len(groups) + alone
+    return {"renders": count, "groups": len(groups), "jobs_in_groups": sum(groups), "alone": alone,
+            "jobs_per_render": r(jobs / count, 2) if count else None}
 
 
 def vae_after_switch(done: list[dict], size) -> dict:
@@ -100,7 +113,7 @@ def storyboard_md(fleet_doc: dict | None, diffusers: dict | None) -> list[str]:
             rows.append({"system": system, "shots": f.get("done"), "images_per_s": f.get("images_per_s"),
                          "images_per_s_steady": f.get("images_per_s_steady"), "first_image_s": f.get("first_image_after_spawn_s"),
                          "to_last_image_s": f.get("to_last_image_s"), "per_size": f.get("per_size"), "status": f.get("status"),
-                         "vae_after_switch": f.get("vae_after_switch")})
+                         "vae_after_switch": f.get("vae_after_switch"), "renders": f.get("renders")})
     best = lambda key: max((x[key] for x in rows if x["system"].startswith("diffusers") and x.get(key)), default=None)  # noqa: E731
     best_cold, best_steady = best("images_per_s"), best("images_per_s_steady")
     out = ["## The mixed storyboard (issue 17, point 3)", "",
@@ -117,6 +130,8 @@ def storyboard_md(fleet_doc: dict | None, diffusers: dict | None) -> list[str]:
         out.append(f"- {x['system']} ({x.get('status')}): {sizes or '-'}")
         if x.get("vae_after_switch"):
             out.append(f"  - VAE after the same size / after another: {json.dumps(x['vae_after_switch'])}")
+        if x.get("renders"):
+            out.append(f"  - renders: {json.dumps(x['renders'])}")
     return out + [""]
 
 
