@@ -123,6 +123,25 @@ impl KeepAlive {
     }
 }
 
+/// A delivery whose keep-alive already runs: the reserve hands its jobs on this way, so that no
+/// gap opens between its in-progress acks and the job's (reserve.rs, job.rs).
+pub struct Kept {
+    pub delivery: Delivery,
+    alive: KeepAlive,
+}
+
+impl Kept {
+    /// Starts keeping `delivery` alive (see [`KeepAlive::start`]).
+    pub fn start(delivery: Delivery, interval: Option<Duration>) -> Self {
+        let alive = KeepAlive::start(&delivery, interval);
+        Self { delivery, alive }
+    }
+
+    pub fn into_parts(self) -> (Delivery, KeepAlive) {
+        (self.delivery, self.alive)
+    }
+}
+
 impl Drop for KeepAlive {
     fn drop(&mut self) {
         if let Some(task) = self.task.take() {

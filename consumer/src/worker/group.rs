@@ -20,7 +20,7 @@ use crate::pipeline::lora::SetKey;
 use crate::pipeline::{CancelHandle, RenderControl, RenderRequest};
 use crate::telemetry;
 use crate::worker::Shared;
-use crate::worker::delivery::Delivery;
+use crate::worker::delivery::Kept;
 use crate::worker::Slot;
 use crate::worker::job::{self, Next, Taken, commit_output, finish};
 use crate::worker::progress::{self, Reporter};
@@ -60,11 +60,11 @@ fn resident_first<T>(groups: impl IntoIterator<Item = Vec<T>>, resident: impl Fn
 /// commits at once as renders), and the render `slot` is given back after the last render, not
 /// after the last commit: the next jobs render while these upload, as a job alone does
 /// ([`job::render_and_commit`]).
-pub(crate) async fn handle(shared: Arc<Shared>, deliveries: Vec<Delivery>, slot: Slot) {
+pub(crate) async fn handle(shared: Arc<Shared>, deliveries: Vec<Kept>, slot: Slot) {
     let _in_flight: Vec<_> = deliveries.iter().map(|_| telemetry::in_flight()).collect();
     let mut groups: BTreeMap<Compatible, Vec<Taken>> = BTreeMap::new();
-    for delivery in deliveries {
-        let (taken, next) = job::take(&shared, delivery).await;
+    for kept in deliveries {
+        let (taken, next) = job::take(&shared, kept).await;
         match next {
             Next::Render => groups.entry(Compatible::of(&taken)).or_default().push(taken),
             Next::Settle(handled) => finish(&shared, &taken, handled).await,

@@ -15,7 +15,7 @@ use crate::faults::CrashPoint;
 use crate::pipeline::RenderOutput;
 use crate::telemetry::{self, JobOutcome};
 use crate::worker::commit::{self, Claim};
-use crate::worker::delivery::{Delivery, KeepAlive};
+use crate::worker::delivery::{Delivery, KeepAlive, Kept};
 use crate::worker::lora::JobSet;
 use crate::worker::progress::Reporter;
 use crate::worker::render::{Rendered, render_job};
@@ -85,9 +85,9 @@ pub(crate) enum Next {
 
 /// Handles one delivery to the end: it is acked, naked, terminated or routed when this returns.
 /// `slot`, the fetch loop's render slot it holds, is given back once its render has ended.
-pub(crate) async fn handle(shared: Arc<Shared>, delivery: Delivery, slot: Option<Slot>) {
+pub(crate) async fn handle(shared: Arc<Shared>, kept: Kept, slot: Option<Slot>) {
     let _in_flight = telemetry::in_flight();
-    let (taken, next) = take(&shared, delivery).await;
+    let (taken, next) = take(&shared, kept).await;
     let handled = match next {
         Next::Render => render_and_commit(&shared, &taken, slot).await,
         Next::Settle(handled) => handled,
@@ -116,10 +116,11 @@ pub(crate) async fn finish(shared: &Shared, taken: &Taken, handled: Handled) {
 }
 
 /// The steps before rendering: decode and validate, route (`auto` or the wrong class), look up
-/// the job's outcome, and resolve the LoRA set it names. Starts keeping the delivery alive.
-pub(crate) async fn take(shared: &Shared, delivery: Delivery) -> (Taken, Next) {
+/// the job's outcome, and resolve the LoRA set it names. Its keep-alive goes on until it is
+/// settled.
+pub(crate) async fn take(shared: &Shared, kept: Kept) -> (Taken, Next) {
+    let (delivery, _alive) = kept.into_parts();
     telemetry::queue_wait(delivery.origin.priority, delivery.queued);
-    let _alive = KeepAlive::start(&delivery, shared.keep_alive_interval());
     let decoded = decode(shared, &delivery);
     let holding = decoded.as_ref().ok().map(|job| Holding::take(shared, job));
     if let Some(None) = holding {

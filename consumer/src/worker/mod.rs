@@ -400,7 +400,7 @@ async fn fetch_loop(shared: &Arc<Shared>, consumers: &fetch::Consumers, tracker:
         slots: Arc::new(Semaphore::new(shared.config.concurrency)),
         finished: Arc::new(Notify::new()),
         scheduler: priority::Scheduler::new(&shared.config.priorities, Instant::now()),
-        reserve: reserve::Reserve::new(shared.config.lookahead(), shared.keep_alive_interval()),
+        reserve: reserve::Reserve::new(shared.config.lookahead(), shared.keep_alive_interval(), &shared.config.priorities),
         idle: shared.config.idle_poll,
         shrunk_for_room: false,
         routed_at: None,
@@ -425,7 +425,7 @@ async fn fetch_loop(shared: &Arc<Shared>, consumers: &fetch::Consumers, tracker:
         }
     }
     // Stopping (or stopped by a fault): what waits for a slot goes back for other workers now.
-    fetching.reserve.give_back().await;
+    fetching.reserve.give_back_all().await;
 }
 
 /// The worker must stop fetching (a driver fault).
@@ -483,7 +483,8 @@ impl Fetching<'_> {
         let any = !deliveries.is_empty();
         self.routed_at = (!any).then(Instant::now);
         for delivery in deliveries {
-            self.tracker.spawn(job::handle(self.shared.clone(), delivery, None));
+            let kept = delivery::Kept::start(delivery, self.shared.keep_alive_interval());
+            self.tracker.spawn(job::handle(self.shared.clone(), kept, None));
         }
         any
     }
@@ -508,6 +509,8 @@ impl Fetching<'_> {
                     return Err(Stop);
                 }
                 warn!(error = %e, "cannot read the GPU; not fetching");
+                // What waits here past its hold goes to workers that can read their card.
+                self.reserve.give_back_unstartable(None, false, shared.max_deliver).await;
                 return Ok(false);
             }
         };
@@ -517,14 +520,17 @@ impl Fetching<'_> {
         // Taken before the fetch marks priorities served: an overdue one leads this round.
         let order = self.scheduler.order(Instant::now());
         let wanted = self.reserve.wanted(free, per_slot);
-        if wanted > 0 && !admission.classes().is_empty() {
+        if !admission.classes().is_empty() {
             let fetched = self.consumers.next_jobs(&admission, wanted, &mut self.scheduler).await;
             self.reserve.add(fetched);
         }
-        let mut room = reserve::Room::of(&admission);
+        if shared.stop.is_cancelled() {
+            return Err(Stop);
+        }
+        let mut round = reserve::Round::new(order, &admission);
         let mut started = false;
         for _ in 0..free {
-            let group = self.reserve.deal(per_slot, &order, &mut room);
+            let group = self.reserve.deal(per_slot, &mut round);
             if group.is_empty() {
                 break;
             }
@@ -534,20 +540,17 @@ impl Fetching<'_> {
         }
         if started {
             self.shrunk_for_room = false;
+        } else if self.shrink_if_kept_out(&admission, free).await {
             return Ok(true);
         }
-        if self.shrink_if_kept_out(&admission, free).await {
-            return Ok(true);
-        }
-        if free == shared.config.concurrency {
-            // Idle, shrunk, and still nothing waiting fits: other workers may hold it.
-            self.reserve.give_back().await;
-        }
-        Ok(false)
+        // Idle, shrunk once, and nothing started: what waits cannot start on this card now.
+        let idle = !started && free == shared.config.concurrency;
+        self.reserve.give_back_unstartable(Some(&admission), idle, shared.max_deliver).await;
+        Ok(started)
     }
 
     /// Starts one job, or one group of jobs, in a slot of its own.
-    fn start(&self, batch: Vec<delivery::Delivery>) {
+    fn start(&self, batch: Vec<delivery::Kept>) {
         let permit = self.slots.clone().try_acquire_owned().expect("a slot was counted free");
         if self.shared.config.budget.cold_renders {
             // This job's render gives its arenas back at its end: the next starts cold.

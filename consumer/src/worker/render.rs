@@ -129,7 +129,7 @@ async fn room_for(shared: &Shared, taken: &Taken, set_bytes: u64) -> Result<(u32
 /// Whether the job has deliveries to spare for a give-back: its first half of the consumer's
 /// `max_deliver`. Past it, a job with no room waits for room and one that a card cannot hold is
 /// degraded without waiting out the hand-off window.
-fn spares_deliveries(attempt: u64, max_deliver: u64) -> bool {
+pub(crate) fn spares_deliveries(attempt: u64, max_deliver: u64) -> bool {
     attempt.saturating_mul(2) < max_deliver
 }
 

@@ -2,42 +2,54 @@
 //! that can share its UNet batches also on a queue of mixed sizes (a storyboard), not only
 //! among the few fetched for it.
 //!
-//! Each round the fetch loop tops the reserve up to `batch_jobs` per free slot, plus
-//! `lookahead` more while the queue is deep, and deals every free slot one group
+//! Each round the fetch loop tops the reserve up to `batch_jobs` per free slot, plus up to
+//! `lookahead` more while the queue is deep, and fetches at least one job per free slot in any
+//! case (a new job of a higher priority must be seen); then it deals every free slot one group
 //! ([`Reserve::deal`]):
-//! - its **lead** is the waiting job that comes first: by priority in the round's order (the
-//!   scheduler's, taken before the fetch, so an overdue priority leads), then in fetch order;
+//! - its **lead** is the waiting job that comes first: one past its priority's bound
+//!   (`[priorities] p1_max_wait`, `p2_max_wait`, counted from its fetch), the most overdue
+//!   first; else by priority in the round's order (the scheduler's, taken before the fetch),
+//!   then in fetch order;
 //! - its **partners**, up to `batch_jobs - 1`, wait with the same LoRAs, size, steps and
-//!   guidance, higher priorities and older first;
+//!   guidance, in the same order (never a second delivery of a job already in the group);
 //! - each job counts against its class's room in the round's admission: a job whose class does
-//!   not fit now waits, and never leads.
+//!   not fit now waits, and leads no group.
 //!
 //! What it must not break:
-//! - **Priorities.** A p0 job fetched this round leads before a p2 fetched earlier. A waiting
-//!   job of a lower priority leads once the scheduler says its priority is overdue (the clock
-//!   started when it was fetched), so it waits at most about that bound plus one render.
-//! - **The ack clock.** Every waiting job is kept alive (in-progress acks) until it is dealt;
-//!   the job's own keep-alive takes over from there (job.rs).
-//! - **The fleet.** The lookahead is fetched only while the server reported at least as many
-//!   jobs waiting behind the last one fetched: jobs of a short queue are not held away from
-//!   idle workers. At the end of a queue a worker holds at most `lookahead` jobs the others
-//!   could have had.
-//! - **Stops and the card.** On shutdown or a fault the whole reserve is given back at once
-//!   (nak), and so is what an idle worker cannot start (its classes no longer fit: another
-//!   process took the memory), after the fetch loop's one arena shrink.
+//! - **Priorities.** A p0 job fetched this round leads before a p1 or p2 fetched earlier; a
+//!   waiting p1 or p2 job leads once it has waited its priority's bound here, so it waits about
+//!   that bound plus one render at most.
+//! - **The ack clock.** Every waiting job is kept alive (in-progress acks) from its fetch; its
+//!   keep-alive goes on with it into the slot ([`Kept`]), so no gap opens at the hand-over.
+//! - **The fleet.** The lookahead is fetched only while the server reported at least
+//!   `lookahead` more jobs waiting on a consumer fetched from: jobs of a short queue are not
+//!   held away from idle workers. At the end of a queue a worker holds at most `batch_jobs` per
+//!   slot plus `lookahead` jobs that others could have taken.
+//! - **The card.** A job whose class the card cannot start now is given back (nak) after
+//!   [`UNSTARTABLE_HOLD`] if it has deliveries to spare, and at once when the worker is idle
+//!   after its one arena shrink (another process took the memory): other workers may hold it.
+//! - **Stops.** On shutdown or a fault the whole reserve is given back at once.
 //! - **Cancellation.** A waiting job cancelled meanwhile is settled by its outcome when it is
 //!   dealt (job.rs), without rendering.
 
+use std::cmp::Reverse;
 use std::collections::HashMap;
-use std::time::{Duration, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 
 use shotfleet_schema::encoding::decode_job;
 use shotfleet_schema::subject::{Priority, SubjectClass};
 use shotfleet_schema::MemoryClass;
 
 use crate::budget::Admission;
+use crate::config::PriorityConfig;
 use crate::telemetry;
-use crate::worker::delivery::{Delivery, KeepAlive};
+use crate::worker::delivery::{Delivery, Kept};
+use crate::worker::render::spares_deliveries;
+
+/// How long a job whose class the card cannot start now may wait here while the worker renders
+/// something else: long enough for a render to end and give its memory back (a 1024² group of
+/// four takes seconds on an H200), short enough that a roomier worker gets it soon.
+pub(crate) const UNSTARTABLE_HOLD: Duration = Duration::from_secs(30);
 
 /// What jobs sharing UNet batches need alike: LoRAs with their weights, size, steps, guidance.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -49,15 +61,6 @@ pub(crate) struct BatchKey {
     guidance_bits: u32,
 }
 
-impl BatchKey {
-    /// The key of a delivery's payload; `None` when it does not decode (it is dealt alone, and
-    /// failed as invalid when taken).
-    fn of(delivery: &Delivery) -> Option<Self> {
-        let job = decode_job(delivery.content_type().as_deref(), &delivery.message.payload).ok()?;
-        Some(Self { set: job.lora_set(), width: job.width, height: job.height, steps: job.steps, guidance_bits: job.guidance.to_bits() })
-    }
-}
-
 /// What dealing looks at of a waiting job.
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct Candidate {
@@ -65,15 +68,69 @@ pub(crate) struct Candidate {
     /// The class whose room it takes (its consumer's); `None` (an `auto` subject) never waits
     /// here, it is routed.
     pub class: Option<MemoryClass>,
+    /// `None` for a payload that does not decode: it is dealt alone, and failed as invalid
+    /// when taken.
     pub batch: Option<BatchKey>,
+    /// `project/job_id`: two deliveries of one job never share a group.
+    pub job: Option<String>,
+    /// When it was fetched: its priority's bound counts from there.
+    pub since: Instant,
+}
+
+impl Candidate {
+    fn of(delivery: &Delivery, since: Instant) -> Self {
+        let class = match delivery.origin.class {
+            SubjectClass::Class(class) => Some(class),
+            SubjectClass::Auto => None,
+        };
+        let job = decode_job(delivery.content_type().as_deref(), &delivery.message.payload).ok();
+        let batch = job.as_ref().map(|job| BatchKey {
+            set: job.lora_set(),
+            width: job.width,
+            height: job.height,
+            steps: job.steps,
+            guidance_bits: job.guidance.to_bits(),
+        });
+        let job = job.map(|job| format!("{}/{}", job.project, job.job_id));
+        Self { priority: delivery.origin.priority, class, batch, job, since }
+    }
 }
 
 /// A fetched job waiting for a slot, kept alive meanwhile.
 struct Waiting {
-    delivery: Delivery,
+    kept: Kept,
     candidate: Candidate,
-    _alive: KeepAlive,
     _counted: telemetry::Reserved,
+}
+
+/// One round of dealing: its priority order, its clock, and the room its admission gives.
+pub(crate) struct Round {
+    order: Vec<Priority>,
+    now: Instant,
+    room: HashMap<MemoryClass, u32>,
+}
+
+impl Round {
+    /// `order` is the scheduler's for this round, taken before the fetch marks priorities
+    /// served (an overdue priority leads); `admission` says how many jobs of each class can
+    /// start now.
+    pub fn new(order: Vec<Priority>, admission: &Admission) -> Self {
+        Self { order, now: Instant::now(), room: admission.fits.iter().copied().collect() }
+    }
+
+    fn fits(&self, candidate: &Candidate) -> bool {
+        candidate.class.is_some_and(|class| self.room.get(&class).is_some_and(|&n| n > 0))
+    }
+
+    fn take_room(&mut self, candidate: &Candidate) {
+        if let Some(n) = candidate.class.and_then(|class| self.room.get_mut(&class)) {
+            *n = n.saturating_sub(1);
+        }
+    }
+
+    fn rank(&self, priority: Priority) -> usize {
+        self.order.iter().position(|&p| p == priority).unwrap_or(self.order.len())
+    }
 }
 
 /// The jobs fetched and not yet dealt to a slot, in fetch order.
@@ -84,17 +141,21 @@ pub(crate) struct Reserve {
     /// Whether the last fetch saw at least `lookahead` jobs waiting behind it.
     deep: bool,
     keep_alive: Option<Duration>,
+    /// Each priority's bound (`[priorities]`), by rank.
+    bounds: [Option<Duration>; 3],
 }
 
 impl Reserve {
-    pub fn new(lookahead: usize, keep_alive: Option<Duration>) -> Self {
-        Self { waiting: Vec::new(), lookahead, deep: false, keep_alive }
+    pub fn new(lookahead: usize, keep_alive: Option<Duration>, priorities: &PriorityConfig) -> Self {
+        let bounds = [Priority::P0, Priority::P1, Priority::P2].map(|p| priorities.max_wait(p));
+        Self { waiting: Vec::new(), lookahead, deep: false, keep_alive, bounds }
     }
 
-    /// How many jobs to fetch now for `free` slots of `per_slot` jobs each.
+    /// How many jobs to fetch now for `free` slots of `per_slot` jobs each: up to the reserve's
+    /// size, and one a free slot at least, so that a new job of a higher priority than those
+    /// waiting is seen this round.
     pub fn wanted(&self, free: usize, per_slot: usize) -> usize {
-        let lookahead = if self.deep { self.lookahead } else { 0 };
-        (free * per_slot + lookahead).saturating_sub(self.waiting.len())
+        to_fetch(self.waiting.len(), free, per_slot, if self.deep { self.lookahead } else { 0 })
     }
 
     /// Adds what a fetch brought, and learns from it whether the queue is deep.
@@ -105,39 +166,68 @@ impl Reserve {
         }
         let behind = fetched.iter().map(|delivery| delivery.pending).max().unwrap_or(0);
         self.deep = self.lookahead > 0 && behind >= self.lookahead as u64;
+        let now = Instant::now();
         for delivery in fetched {
-            let class = match delivery.origin.class {
-                SubjectClass::Class(class) => Some(class),
-                SubjectClass::Auto => None,
-            };
-            let candidate = Candidate { priority: delivery.origin.priority, class, batch: BatchKey::of(&delivery) };
-            let _alive = KeepAlive::start(&delivery, self.keep_alive);
-            self.waiting.push(Waiting { delivery, candidate, _alive, _counted: telemetry::reserved() });
+            let candidate = Candidate::of(&delivery, now);
+            let kept = Kept::start(delivery, self.keep_alive);
+            self.waiting.push(Waiting { kept, candidate, _counted: telemetry::reserved() });
         }
     }
 
     /// Deals one slot's group of at most `per_slot` jobs, its lead first (none when nothing
-    /// waiting can start), taking its room from `room`. `order` is the round's priority order.
-    pub fn deal(&mut self, per_slot: usize, order: &[Priority], room: &mut Room) -> Vec<Delivery> {
+    /// waiting can start), taking its room from the round's.
+    pub fn deal(&mut self, per_slot: usize, round: &mut Round) -> Vec<Kept> {
         let candidates: Vec<&Candidate> = self.waiting.iter().map(|waiting| &waiting.candidate).collect();
-        let picked = pick_group(&candidates, per_slot, order, room);
-        let mut group: Vec<Delivery> = take_picked(&mut self.waiting, &picked).into_iter().map(|waiting| waiting.delivery).collect();
-        for delivery in &mut group {
+        let picked = pick_group(&candidates, per_slot, &self.bounds, round);
+        let mut group: Vec<Kept> = take_picked(&mut self.waiting, &picked).into_iter().map(|waiting| waiting.kept).collect();
+        for kept in &mut group {
             // The wait a result reports is up to its render: in the stream and in this reserve.
-            delivery.queued = SystemTime::now().duration_since(delivery.published).unwrap_or_default();
+            kept.delivery.queued = SystemTime::now().duration_since(kept.delivery.published).unwrap_or_default();
         }
         group
     }
 
-    /// Gives every waiting job back to the stream at once, for any worker to take.
-    pub async fn give_back(&mut self) {
+    /// Gives back the waiting jobs whose class the card cannot start now (not in `admission`;
+    /// `None`: the card could not be read): at once when `idle` (nothing here will end and make
+    /// room), else once they have waited [`UNSTARTABLE_HOLD`] and have deliveries to spare (a
+    /// job past half its `max_deliver` waits here for room, as a taken job does).
+    pub async fn give_back_unstartable(&mut self, admission: Option<&Admission>, idle: bool, max_deliver: u64) {
+        let now = Instant::now();
+        let startable = |candidate: &Candidate| {
+            admission.is_some_and(|admission| candidate.class.is_some_and(|class| admission.jobs(class) > 0))
+        };
+        let (back, keep): (Vec<Waiting>, Vec<Waiting>) = self.waiting.drain(..).partition(|waiting| {
+            let candidate = &waiting.candidate;
+            let waited = now.saturating_duration_since(candidate.since);
+            !startable(candidate)
+                && (idle || (waited >= UNSTARTABLE_HOLD && spares_deliveries(waiting.kept.delivery.attempt, max_deliver)))
+        });
+        self.waiting = keep;
+        if !back.is_empty() {
+            tracing::info!(jobs = back.len(), idle, "giving back jobs fetched ahead that this card cannot start now");
+            give_back(back).await;
+        }
+    }
+
+    /// Gives every waiting job back to the stream at once, for any worker to take: the worker
+    /// stops.
+    pub async fn give_back_all(&mut self) {
         if !self.waiting.is_empty() {
             tracing::info!(jobs = self.waiting.len(), "giving back the jobs fetched ahead");
         }
-        for waiting in self.waiting.drain(..) {
-            waiting.delivery.nak(None).await;
-        }
+        give_back(self.waiting.drain(..).collect()).await;
         self.deep = false;
+    }
+}
+
+/// See [`Reserve::wanted`]; `lookahead` is 0 while the queue is not deep.
+fn to_fetch(waiting: usize, free: usize, per_slot: usize, lookahead: usize) -> usize {
+    (free * per_slot + lookahead).saturating_sub(waiting).max(free)
+}
+
+async fn give_back(waiting: Vec<Waiting>) {
+    for waiting in waiting {
+        waiting.kept.delivery.nak(None).await;
     }
 }
 
@@ -150,52 +240,40 @@ fn take_picked<T>(items: &mut Vec<T>, picked: &[usize]) -> Vec<T> {
     picked.iter().map(|i| taken.remove(i).expect("each index picked once")).collect()
 }
 
-/// How many more jobs of each class can start in this round (the admission's counts).
-pub(crate) struct Room(HashMap<MemoryClass, u32>);
-
-impl Room {
-    pub fn of(admission: &Admission) -> Self {
-        Self(admission.fits.iter().copied().collect())
-    }
-
-    fn fits(&self, candidate: &Candidate) -> bool {
-        candidate.class.is_some_and(|class| self.0.get(&class).is_some_and(|&n| n > 0))
-    }
-
-    fn take(&mut self, candidate: &Candidate) {
-        if let Some(n) = candidate.class.and_then(|class| self.0.get_mut(&class)) {
-            *n = n.saturating_sub(1);
-        }
-    }
-}
-
-/// Indices into `waiting` (in fetch order) of one slot's group: the lead, the first that can
-/// start by priority in `order` then by place, and up to `per_slot - 1` that can start and
-/// share its batches, in the same order. Their room is taken from `room`.
-fn pick_group(waiting: &[&Candidate], per_slot: usize, order: &[Priority], room: &mut Room) -> Vec<usize> {
-    let rank = |candidate: &Candidate| order.iter().position(|&p| p == candidate.priority).unwrap_or(order.len());
+/// Indices into `waiting` (in fetch order) of one slot's group, taking their room from the
+/// round's: the lead is the first that can start, overdue ones (past their priority's bound in
+/// `bounds`) first, most overdue first, then by priority in the round's order, then by place;
+/// then up to `per_slot - 1` that can start and share its batches, in the same order.
+fn pick_group(waiting: &[&Candidate], per_slot: usize, bounds: &[Option<Duration>; 3], round: &mut Round) -> Vec<usize> {
+    let overdue = |candidate: &Candidate| {
+        bounds[candidate.priority.rank()].and_then(|bound| round.now.saturating_duration_since(candidate.since).checked_sub(bound))
+    };
     let mut queue: Vec<usize> = (0..waiting.len()).collect();
-    // Stable: within a priority, fetch order.
-    queue.sort_by_key(|&i| rank(waiting[i]));
-    let mut group = Vec::new();
-    let mut lead: Option<&Candidate> = None;
+    // Stable: ties keep fetch order.
+    queue.sort_by_key(|&i| match overdue(waiting[i]) {
+        Some(by) => (0, Reverse(by), 0),
+        None => (1, Reverse(Duration::ZERO), round.rank(waiting[i].priority)),
+    });
+    let mut group: Vec<usize> = Vec::new();
     for i in queue {
         if group.len() == per_slot.max(1) {
             break;
         }
         let candidate = waiting[i];
-        let joins = match lead {
+        let joins = match group.first() {
             None => true,
-            Some(lead) => lead.batch.is_some() && candidate.batch == lead.batch,
+            Some(&lead) => {
+                let lead = waiting[lead];
+                let second_delivery = candidate.job.is_some() && group.iter().any(|&member| waiting[member].job == candidate.job);
+                lead.batch.is_some() && candidate.batch == lead.batch && !second_delivery
+            }
         };
-        if joins && room.fits(candidate) {
-            room.take(candidate);
+        if joins && round.fits(candidate) {
+            round.take_room(candidate);
             group.push(i);
-            if lead.is_none() {
-                lead = Some(candidate);
-                if candidate.batch.is_none() {
-                    break;
-                }
+            if candidate.batch.is_none() {
+                // A payload that does not decode goes alone.
+                break;
             }
         }
     }
@@ -207,88 +285,124 @@ mod tests {
     use super::*;
 
     const STRICT: [Priority; 3] = [Priority::P0, Priority::P1, Priority::P2];
+    /// `[priorities]`'s defaults: p1 20 s, p2 60 s.
+    const BOUNDS: [Option<Duration>; 3] = [None, Some(Duration::from_secs(20)), Some(Duration::from_secs(60))];
 
-    /// A waiting job of `priority` at a square `size` (0: a payload that does not decode).
-    fn job(priority: Priority, size: u32) -> Candidate {
+    /// A waiting job of `priority` at a square `size` (0: a payload that does not decode),
+    /// fetched `ago` seconds before the round; `id` names it.
+    fn waited(id: u32, priority: Priority, size: u32, ago: u64, now: Instant) -> Candidate {
         let batch = (size > 0).then(|| BatchKey { set: Vec::new(), width: size, height: size, steps: 30, guidance_bits: 5.0f32.to_bits() });
-        Candidate { priority, class: Some(MemoryClass::M), batch }
+        let job = (size > 0).then(|| format!("board/{id}"));
+        Candidate { priority, class: Some(MemoryClass::M), batch, job, since: now - Duration::from_secs(ago) }
     }
 
-    fn room(jobs: u32) -> Room {
-        Room(HashMap::from([(MemoryClass::M, jobs)]))
+    fn job(id: u32, priority: Priority, size: u32, now: Instant) -> Candidate {
+        waited(id, priority, size, 0, now)
     }
 
-    /// Deals `slots` groups from `waiting`, as the fetch loop does in one round.
-    fn deal(mut waiting: Vec<Candidate>, slots: usize, per_slot: usize, order: &[Priority], room: &mut Room) -> Vec<Vec<Candidate>> {
+    fn round(order: &[Priority], jobs: u32, now: Instant) -> Round {
+        Round { order: order.to_vec(), now, room: HashMap::from([(MemoryClass::M, jobs)]) }
+    }
+
+    /// Deals up to `slots` groups from `waiting` in one round; each group as its jobs' ids.
+    fn deal(mut waiting: Vec<Candidate>, slots: usize, per_slot: usize, round: &mut Round) -> Vec<Vec<u32>> {
         let mut groups = Vec::new();
         for _ in 0..slots {
             let refs: Vec<&Candidate> = waiting.iter().collect();
-            let picked = pick_group(&refs, per_slot, order, room);
+            let picked = pick_group(&refs, per_slot, &BOUNDS, round);
             if picked.is_empty() {
                 break;
             }
-            groups.push(take_picked(&mut waiting, &picked));
+            let id = |c: &Candidate| c.job.as_ref().map_or(0, |job| job.rsplit('/').next().unwrap().parse().unwrap());
+            groups.push(take_picked(&mut waiting, &picked).iter().map(id).collect());
         }
         groups
-    }
-
-    fn sizes(group: &[Candidate]) -> Vec<u32> {
-        group.iter().map(|c| c.batch.as_ref().map_or(0, |b| b.width)).collect()
     }
 
     #[test]
     fn a_slot_is_dealt_its_leads_batch_partners_from_the_whole_reserve() {
         use Priority::P1;
+        let now = Instant::now();
         // A storyboard's interleaved sizes: the lead (1024) finds its partners further back.
-        let waiting = vec![job(P1, 1024), job(P1, 1152), job(P1, 896), job(P1, 1024), job(P1, 1152), job(P1, 1024), job(P1, 1024), job(P1, 1024)];
-        let groups = deal(waiting, 2, 4, &STRICT, &mut room(8));
-        assert_eq!(groups.iter().map(|g| sizes(g)).collect::<Vec<_>>(), [vec![1024; 4], vec![1152, 1152]]);
+        let sizes = [1024, 1152, 896, 1024, 1152, 1024, 1024, 1024];
+        let waiting = sizes.iter().enumerate().map(|(i, &size)| job(i as u32 + 1, P1, size, now)).collect();
+        assert_eq!(deal(waiting, 2, 4, &mut round(&STRICT, 8, now)), [vec![1, 4, 6, 7], vec![2, 5]]);
     }
 
     #[test]
-    fn a_new_higher_priority_leads_before_older_lower_ones_and_an_overdue_one_before_all() {
-        use Priority::{P0, P2};
+    fn a_new_higher_priority_leads_before_older_lower_ones_and_an_overdue_priority_before_all() {
+        use Priority::{P0, P1, P2};
+        let now = Instant::now();
         // Two p2 fetched earlier, then a p0 of another size.
-        let waiting = || vec![job(P2, 1024), job(P2, 1024), job(P0, 896)];
-        let groups = deal(waiting(), 1, 4, &STRICT, &mut room(8));
-        assert_eq!(groups[0], [job(P0, 896)]);
+        let waiting = || vec![waited(1, P2, 1024, 10, now), waited(2, P2, 1024, 10, now), job(3, P0, 896, now)];
+        assert_eq!(deal(waiting(), 1, 4, &mut round(&STRICT, 8, now)), [vec![3]]);
         // The scheduler says p2 is overdue: p2 leads, and the p0 waits for the next slot.
-        let groups = deal(waiting(), 1, 4, &[P2, P0, Priority::P1], &mut room(8));
-        assert_eq!(sizes(&groups[0]), [1024, 1024]);
+        assert_eq!(deal(waiting(), 1, 4, &mut round(&[P2, P0, P1], 8, now)), [vec![1, 2]]);
+    }
+
+    #[test]
+    fn a_job_past_its_prioritys_bound_here_leads_whatever_the_scheduler_says() {
+        use Priority::{P0, P1, P2};
+        let now = Instant::now();
+        // Under a stream of p0 jobs the scheduler keeps strict order (p2's queue is empty: its
+        // jobs are here). The p2 job fetched 61 s ago is past p2's 60 s, the p1 one 25 s ago past
+        // p1's 20 s by more: the p1 leads, then the p2, then the p0s.
+        let waiting = vec![waited(1, P2, 1024, 61, now), waited(2, P1, 896, 25, now), job(3, P0, 1152, now), job(4, P0, 1152, now)];
+        assert_eq!(deal(waiting, 3, 1, &mut round(&STRICT, 8, now)), [vec![2], vec![1], vec![3]]);
+        // Within their bounds they wait behind the p0s.
+        let waiting = vec![waited(1, P2, 1024, 59, now), waited(2, P1, 896, 19, now), job(3, P0, 1152, now)];
+        assert_eq!(deal(waiting, 3, 1, &mut round(&STRICT, 8, now)), [vec![3], vec![2], vec![1]]);
     }
 
     #[test]
     fn partners_of_higher_priority_come_first() {
         use Priority::{P0, P1, P2};
-        let waiting = vec![job(P1, 1024), job(P2, 1024), job(P2, 1024), job(P0, 896), job(P1, 1024)];
-        let groups = deal(waiting, 1, 3, &[P1, P0, P2], &mut room(8));
-        assert_eq!(groups[0], [job(P1, 1024), job(P1, 1024), job(P2, 1024)]);
+        let now = Instant::now();
+        let waiting = vec![job(1, P1, 1024, now), job(2, P2, 1024, now), job(3, P2, 1024, now), job(4, P0, 896, now), job(5, P1, 1024, now)];
+        assert_eq!(deal(waiting, 1, 3, &mut round(&[P1, P0, P2], 8, now)), [vec![1, 5, 2]]);
     }
 
     #[test]
     fn a_group_takes_no_more_than_its_class_has_room_for_and_a_class_without_room_waits() {
         use Priority::P1;
-        let waiting = vec![job(P1, 1024), job(P1, 1024), job(P1, 1024)];
-        let mut room_for_two = room(2);
-        let groups = deal(waiting.clone(), 2, 4, &STRICT, &mut room_for_two);
-        assert_eq!(groups, [vec![job(P1, 1024), job(P1, 1024)]], "two fit; the third waits");
-        let mut other_class = Room(HashMap::from([(MemoryClass::S, 4)]));
-        assert!(deal(waiting, 1, 4, &STRICT, &mut other_class).is_empty());
+        let now = Instant::now();
+        let waiting = vec![job(1, P1, 1024, now), job(2, P1, 1024, now), job(3, P1, 1024, now)];
+        assert_eq!(deal(waiting.clone(), 2, 4, &mut round(&STRICT, 2, now)), [vec![1, 2]], "two fit; the third waits");
+        let mut other_class = Round { order: STRICT.to_vec(), now, room: HashMap::from([(MemoryClass::S, 4)]) };
+        assert!(deal(waiting, 1, 4, &mut other_class).is_empty());
     }
 
     #[test]
     fn a_payload_that_does_not_decode_goes_alone_in_its_place() {
         use Priority::P1;
-        let waiting = vec![job(P1, 0), job(P1, 1024), job(P1, 0), job(P1, 1024)];
-        let groups = deal(waiting, 3, 4, &STRICT, &mut room(8));
-        assert_eq!(groups.iter().map(|g| sizes(g)).collect::<Vec<_>>(), [vec![0], vec![1024, 1024], vec![0]]);
+        let now = Instant::now();
+        let waiting = vec![job(1, P1, 0, now), job(2, P1, 1024, now), job(3, P1, 0, now), job(4, P1, 1024, now)];
+        assert_eq!(deal(waiting, 3, 4, &mut round(&STRICT, 8, now)), [vec![0], vec![2, 4], vec![0]]);
+    }
+
+    #[test]
+    fn two_deliveries_of_one_job_never_share_a_group() {
+        use Priority::P1;
+        let now = Instant::now();
+        // Job 1 published twice (two messages), then job 2 of the same size.
+        let waiting = vec![job(1, P1, 1024, now), job(1, P1, 1024, now), job(2, P1, 1024, now)];
+        assert_eq!(deal(waiting, 2, 4, &mut round(&STRICT, 8, now)), [vec![1, 2], vec![1]]);
     }
 
     #[test]
     fn one_job_per_slot_without_batching_keeps_priority_then_fetch_order() {
         use Priority::{P0, P1};
-        let waiting = vec![job(P1, 1024), job(P1, 896), job(P0, 1152), job(P1, 1024)];
-        let groups = deal(waiting, 4, 1, &STRICT, &mut room(8));
-        assert_eq!(groups.iter().map(|g| sizes(g)).collect::<Vec<_>>(), [vec![1152], vec![1024], vec![896], vec![1024]]);
+        let now = Instant::now();
+        let waiting = vec![job(1, P1, 1024, now), job(2, P1, 896, now), job(3, P0, 1152, now), job(4, P1, 1024, now)];
+        assert_eq!(deal(waiting, 4, 1, &mut round(&STRICT, 8, now)), [vec![3], vec![1], vec![2], vec![4]]);
+    }
+
+    #[test]
+    fn a_free_slot_always_fetches_so_a_new_higher_priority_is_seen() {
+        // (waiting, free slots, batch_jobs, lookahead while deep) -> jobs to fetch.
+        assert_eq!(to_fetch(0, 2, 4, 0), 8, "a shallow queue: batch_jobs per free slot");
+        assert_eq!(to_fetch(3, 1, 4, 12), 13, "a deep one: up to the lookahead more");
+        assert_eq!(to_fetch(20, 1, 4, 12), 1, "a full reserve still looks for one new job a free slot");
+        assert_eq!(to_fetch(20, 0, 4, 12), 0);
     }
 }

@@ -19,7 +19,7 @@ use tracing::info;
 
 use crate::failure::{ErrorKind, JobError};
 use crate::worker::Shared;
-use crate::worker::delivery::{Delivery, Origin};
+use crate::worker::delivery::{Delivery, Kept, Origin};
 use crate::worker::job::{self, Next};
 use crate::worker::settle::{Handled, settle};
 
@@ -118,7 +118,7 @@ async fn oldest(consumer: &PullConsumer, origin: Origin) -> Option<Delivery> {
 /// Sends a job of a class no live worker holds one rung down, without rendering it.
 async fn degrade_unheld(shared: &Arc<Shared>, delivery: Delivery, class: MemoryClass) {
     let waited = delivery.queued;
-    let (taken, next) = job::take(shared, delivery).await;
+    let (taken, next) = job::take(shared, Kept::start(delivery, shared.keep_alive_interval())).await;
     let handled = match next {
         Next::Settle(handled) => handled,
         Next::Render => {
