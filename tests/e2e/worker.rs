@@ -82,12 +82,26 @@ async fn auto_and_wrong_class_jobs_are_routed_then_rendered() {
 
 #[tokio::test]
 async fn p2_is_served_within_its_bound_while_p0_keeps_arriving() {
+    p2_within_its_bound_under_p0("").await;
+}
+
+/// The same with batching and the reserve (worker/reserve.rs): the p2 job (of a size no p0 job
+/// has) waits among p0 jobs fetched ahead, and still leads within its bound.
+#[tokio::test]
+async fn p2_is_served_within_its_bound_while_p0_keeps_arriving_also_through_the_reserve() {
+    p2_within_its_bound_under_p0("batch_jobs = 4\nlookahead = 8").await;
+}
+
+/// A worker (`top`: its extra top-level keys) busy with a stream of p0 jobs; a p2 job arrives
+/// meanwhile and must be done within its bound (3 s) plus slack, after p0 jobs that came later.
+async fn p2_within_its_bound_under_p0(top: &str) {
     let server = NatsServer::start();
     let js = jetstream_with(&server.url(), &Topology::default()).await;
     let store = tempfile::tempdir().unwrap();
     let mut spec = WorkerSpec::new("prio", store.path());
     spec.p1_max_wait = "3s";
     spec.p2_max_wait = "3s";
+    spec.top = top.to_owned();
     let _worker = Worker::start(&server.url(), spec);
 
     // A p0 stream that never runs dry during the test; once the worker is busy with it, a p2
