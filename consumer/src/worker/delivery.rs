@@ -84,9 +84,9 @@ impl Delivery {
     }
 }
 
-/// Sends `AckKind::Progress` every `interval` for a held job, from the moment it is taken until
-/// it is settled (rendering, uploading, publishing, or waiting for its group), so the server
-/// never redelivers a job a live worker is still working on. Stops when dropped.
+/// Sends `AckKind::Progress` every `interval` for a held job, from its fetch until it is settled
+/// (waiting in the reserve, rendering, uploading, publishing, or waiting for its group), so the
+/// server never redelivers a job a live worker is still working on. Stops when dropped.
 pub struct KeepAlive {
     task: Option<tokio::task::JoinHandle<()>>,
 }

@@ -55,8 +55,8 @@ fn resident_first<T>(groups: impl IntoIterator<Item = Vec<T>>, resident: impl Fn
 }
 
 /// Handles deliveries dealt to one slot together: each to the end, compatible ones rendered as one group.
-/// Every member is kept alive from the moment it is taken until it is settled, also while it
-/// waits for the others. What is rendered commits beside the renders that follow (as many
+/// Every member is kept alive from its fetch until it is settled, also while it waits for the
+/// others to be taken. What is rendered commits beside the renders that follow (as many
 /// commits at once as renders), and the render `slot` is given back after the last render, not
 /// after the last commit: the next jobs render while these upload, as a job alone does
 /// ([`job::render_and_commit`]).

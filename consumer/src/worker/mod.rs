@@ -400,7 +400,12 @@ async fn fetch_loop(shared: &Arc<Shared>, consumers: &fetch::Consumers, tracker:
         slots: Arc::new(Semaphore::new(shared.config.concurrency)),
         finished: Arc::new(Notify::new()),
         scheduler: priority::Scheduler::new(&shared.config.priorities, Instant::now()),
-        reserve: reserve::Reserve::new(shared.config.lookahead(), shared.keep_alive_interval(), &shared.config.priorities),
+        reserve: reserve::Reserve::new(
+            shared.config.lookahead(),
+            shared.keep_alive_interval(),
+            &shared.config.priorities,
+            shared.config.job_time_limit,
+        ),
         idle: shared.config.idle_poll,
         shrunk_for_room: false,
         routed_at: None,
@@ -510,7 +515,8 @@ impl Fetching<'_> {
                 }
                 warn!(error = %e, "cannot read the GPU; not fetching");
                 // What waits here past its hold goes to workers that can read their card.
-                self.reserve.give_back_unstartable(None, false, shared.max_deliver).await;
+                let idle = self.all_slots_free();
+                self.reserve.give_back_unstartable(None, idle, shared.max_deliver).await;
                 return Ok(false);
             }
         };
@@ -518,16 +524,15 @@ impl Fetching<'_> {
         // compatible jobs in shared batches.
         let per_slot = shared.config.batch_jobs.max(1);
         // Taken before the fetch marks priorities served: an overdue one leads this round.
-        let order = self.scheduler.order(Instant::now());
-        let wanted = self.reserve.wanted(free, per_slot);
-        if !admission.classes().is_empty() {
+        let mut round = reserve::Round::new(self.scheduler.order(Instant::now()), &admission);
+        let wanted = self.reserve.wanted(free, per_slot, &round);
+        if wanted > 0 && !admission.classes().is_empty() {
             let fetched = self.consumers.next_jobs(&admission, wanted, &mut self.scheduler).await;
             self.reserve.add(fetched);
         }
         if shared.stop.is_cancelled() {
             return Err(Stop);
         }
-        let mut round = reserve::Round::new(order, &admission);
         let mut started = false;
         for _ in 0..free {
             let group = self.reserve.deal(per_slot, &mut round);

@@ -2,32 +2,34 @@
 //! that can share its UNet batches also on a queue of mixed sizes (a storyboard), not only
 //! among the few fetched for it.
 //!
-//! Each round the fetch loop tops the reserve up to `batch_jobs` per free slot, plus up to
-//! `lookahead` more while the queue is deep, and fetches at least one job per free slot in any
-//! case (a new job of a higher priority must be seen); then it deals every free slot one group
-//! ([`Reserve::deal`]):
-//! - its **lead** is the waiting job that comes first: one past its priority's bound
-//!   (`[priorities] p1_max_wait`, `p2_max_wait`, counted from its fetch), the most overdue
-//!   first; else by priority in the round's order (the scheduler's, taken before the fetch),
-//!   then in fetch order;
+//! Each round with a free slot, the fetch loop tops the reserve up to `batch_jobs` per free
+//! slot, plus up to `lookahead` more while the queue is deep, and fetches at least one job per
+//! free slot the card has room for in any case (a new job of a higher priority must be seen);
+//! then it deals every free slot one group (`Reserve::deal`):
+//! - its **lead** is the waiting job that comes first: an overdue one (its priority's
+//!   `[priorities]` bound passed since it was fetched and since a job of its priority was last
+//!   dealt here: one jump per bound, as the scheduler's), the most overdue first; else by
+//!   priority in the round's order (the scheduler's, taken before the fetch), then fetch order;
 //! - its **partners**, up to `batch_jobs - 1`, wait with the same LoRAs, size, steps and
 //!   guidance, in the same order (never a second delivery of a job already in the group);
 //! - each job counts against its class's room in the round's admission: a job whose class does
 //!   not fit now waits, and leads no group.
 //!
 //! What it must not break:
-//! - **Priorities.** A p0 job fetched this round leads before a p1 or p2 fetched earlier; a
-//!   waiting p1 or p2 job leads once it has waited its priority's bound here, so it waits about
-//!   that bound plus one render at most.
+//! - **Priorities.** A p0 job fetched this round leads before a p1 or p2 fetched earlier. A p1
+//!   or p2 job waits in the stream until the scheduler polls its priority (its bound), then here
+//!   until its priority is overdue again (the bound once more), then one render: about twice
+//!   its bound at most, with room for its class.
 //! - **The ack clock.** Every waiting job is kept alive (in-progress acks) from its fetch; its
-//!   keep-alive goes on with it into the slot ([`Kept`]), so no gap opens at the hand-over.
+//!   keep-alive goes on with it into the slot (`Kept`), so no gap opens at the hand-over.
 //! - **The fleet.** The lookahead is fetched only while the server reported at least
 //!   `lookahead` more jobs waiting on a consumer fetched from: jobs of a short queue are not
-//!   held away from idle workers. At the end of a queue a worker holds at most `batch_jobs` per
+//!   held away from idle workers. At the end of a queue a worker holds about `batch_jobs` per
 //!   slot plus `lookahead` jobs that others could have taken.
-//! - **The card.** A job whose class the card cannot start now is given back (nak) after
-//!   [`UNSTARTABLE_HOLD`] if it has deliveries to spare, and at once when the worker is idle
-//!   after its one arena shrink (another process took the memory): other workers may hold it.
+//! - **The card.** Looked at in each round with a free slot: a job whose class the card cannot
+//!   start (not in the round's admission) goes back (nak) at once when the worker is idle after
+//!   its one arena shrink (another process took the memory); else once it has been found so
+//!   for 30 s on end, if it has deliveries to spare, and for `job_time_limit` in any case.
 //! - **Stops.** On shutdown or a fault the whole reserve is given back at once.
 //! - **Cancellation.** A waiting job cancelled meanwhile is settled by its outcome when it is
 //!   dealt (job.rs), without rendering.
@@ -46,9 +48,10 @@ use crate::telemetry;
 use crate::worker::delivery::{Delivery, Kept};
 use crate::worker::render::spares_deliveries;
 
-/// How long a job whose class the card cannot start now may wait here while the worker renders
-/// something else: long enough for a render to end and give its memory back (a 1024² group of
-/// four takes seconds on an H200), short enough that a roomier worker gets it soon.
+/// How long a job whose class the card cannot start may wait here, found so in every round,
+/// while the worker renders something else: long enough for renders to end and give their
+/// memory back (a 1024² group of four takes seconds on an H200), short enough that a roomier
+/// worker gets it soon.
 pub(crate) const UNSTARTABLE_HOLD: Duration = Duration::from_secs(30);
 
 /// What jobs sharing UNet batches need alike: LoRAs with their weights, size, steps, guidance.
@@ -100,6 +103,8 @@ impl Candidate {
 struct Waiting {
     kept: Kept,
     candidate: Candidate,
+    /// Since when every round found that the card cannot start it (`None`: it could, last time).
+    unstartable_since: Option<Instant>,
     _counted: telemetry::Reserved,
 }
 
@@ -131,6 +136,11 @@ impl Round {
     fn rank(&self, priority: Priority) -> usize {
         self.order.iter().position(|&p| p == priority).unwrap_or(self.order.len())
     }
+
+    /// How many jobs the card has room for this round, over its classes.
+    fn room_total(&self) -> usize {
+        self.room.values().map(|&n| n as usize).sum()
+    }
 }
 
 /// The jobs fetched and not yet dealt to a slot, in fetch order.
@@ -141,21 +151,23 @@ pub(crate) struct Reserve {
     /// Whether the last fetch saw at least `lookahead` jobs waiting behind it.
     deep: bool,
     keep_alive: Option<Duration>,
-    /// Each priority's bound (`[priorities]`), by rank.
-    bounds: [Option<Duration>; 3],
+    clock: Clock,
+    /// The longest a job the card cannot start waits here (`job_time_limit`), spare deliveries
+    /// or not.
+    hold_limit: Duration,
 }
 
 impl Reserve {
-    pub fn new(lookahead: usize, keep_alive: Option<Duration>, priorities: &PriorityConfig) -> Self {
-        let bounds = [Priority::P0, Priority::P1, Priority::P2].map(|p| priorities.max_wait(p));
-        Self { waiting: Vec::new(), lookahead, deep: false, keep_alive, bounds }
+    pub fn new(lookahead: usize, keep_alive: Option<Duration>, priorities: &PriorityConfig, hold_limit: Duration) -> Self {
+        Self { waiting: Vec::new(), lookahead, deep: false, keep_alive, clock: Clock::new(priorities), hold_limit }
     }
 
-    /// How many jobs to fetch now for `free` slots of `per_slot` jobs each: up to the reserve's
-    /// size, and one a free slot at least, so that a new job of a higher priority than those
-    /// waiting is seen this round.
-    pub fn wanted(&self, free: usize, per_slot: usize) -> usize {
-        to_fetch(self.waiting.len(), free, per_slot, if self.deep { self.lookahead } else { 0 })
+    /// How many jobs to fetch in `round` for `free` slots of `per_slot` jobs each: up to the
+    /// reserve's size, and one a free slot the card has room for at least, so that a new job of
+    /// a higher priority than those waiting is seen this round.
+    pub fn wanted(&self, free: usize, per_slot: usize, round: &Round) -> usize {
+        let lookahead = if self.deep { self.lookahead } else { 0 };
+        to_fetch(self.waiting.len(), free, per_slot, lookahead, round.room_total())
     }
 
     /// Adds what a fetch brought, and learns from it whether the queue is deep.
@@ -170,16 +182,15 @@ impl Reserve {
         for delivery in fetched {
             let candidate = Candidate::of(&delivery, now);
             let kept = Kept::start(delivery, self.keep_alive);
-            self.waiting.push(Waiting { kept, candidate, _counted: telemetry::reserved() });
+            self.waiting.push(Waiting { kept, candidate, unstartable_since: None, _counted: telemetry::reserved() });
         }
     }
 
     /// Deals one slot's group of at most `per_slot` jobs, its lead first (none when nothing
     /// waiting can start), taking its room from the round's.
     pub fn deal(&mut self, per_slot: usize, round: &mut Round) -> Vec<Kept> {
-        let candidates: Vec<&Candidate> = self.waiting.iter().map(|waiting| &waiting.candidate).collect();
-        let picked = pick_group(&candidates, per_slot, &self.bounds, round);
-        let mut group: Vec<Kept> = take_picked(&mut self.waiting, &picked).into_iter().map(|waiting| waiting.kept).collect();
+        let taken = deal_from(&mut self.waiting, |waiting| &waiting.candidate, per_slot, &mut self.clock, round);
+        let mut group: Vec<Kept> = taken.into_iter().map(|waiting| waiting.kept).collect();
         for kept in &mut group {
             // The wait a result reports is up to its render: in the stream and in this reserve.
             kept.delivery.queued = SystemTime::now().duration_since(kept.delivery.published).unwrap_or_default();
@@ -187,20 +198,21 @@ impl Reserve {
         group
     }
 
-    /// Gives back the waiting jobs whose class the card cannot start now (not in `admission`;
-    /// `None`: the card could not be read): at once when `idle` (nothing here will end and make
-    /// room), else once they have waited [`UNSTARTABLE_HOLD`] and have deliveries to spare (a
-    /// job past half its `max_deliver` waits here for room, as a taken job does).
+    /// Looks at what the card cannot start now (its class not in `admission`; `None`: the card
+    /// could not be read) and gives back what `goes_back` says: other workers may hold it.
+    /// `idle`: nothing runs here that could end and make room.
     pub async fn give_back_unstartable(&mut self, admission: Option<&Admission>, idle: bool, max_deliver: u64) {
         let now = Instant::now();
         let startable = |candidate: &Candidate| {
             admission.is_some_and(|admission| candidate.class.is_some_and(|class| admission.jobs(class) > 0))
         };
+        for waiting in &mut self.waiting {
+            waiting.unstartable_since = if startable(&waiting.candidate) { None } else { Some(waiting.unstartable_since.unwrap_or(now)) };
+        }
+        let hold_limit = self.hold_limit;
         let (back, keep): (Vec<Waiting>, Vec<Waiting>) = self.waiting.drain(..).partition(|waiting| {
-            let candidate = &waiting.candidate;
-            let waited = now.saturating_duration_since(candidate.since);
-            !startable(candidate)
-                && (idle || (waited >= UNSTARTABLE_HOLD && spares_deliveries(waiting.kept.delivery.attempt, max_deliver)))
+            let unstartable_for = waiting.unstartable_since.map(|since| now.saturating_duration_since(since));
+            goes_back(unstartable_for, idle, spares_deliveries(waiting.kept.delivery.attempt, max_deliver), hold_limit)
         });
         self.waiting = keep;
         if !back.is_empty() {
@@ -220,15 +232,67 @@ impl Reserve {
     }
 }
 
-/// See [`Reserve::wanted`]; `lookahead` is 0 while the queue is not deep.
-fn to_fetch(waiting: usize, free: usize, per_slot: usize, lookahead: usize) -> usize {
-    (free * per_slot + lookahead).saturating_sub(waiting).max(free)
+/// See `Reserve::wanted`; `lookahead` is 0 while the queue is not deep, `room` the jobs the
+/// card has room for this round.
+fn to_fetch(waiting: usize, free: usize, per_slot: usize, lookahead: usize, room: usize) -> usize {
+    (free * per_slot + lookahead).saturating_sub(waiting).max(free.min(room))
+}
+
+/// Whether a waiting job goes back to the stream, given how long every round has found that the
+/// card cannot start it (`None`: it can): at once when the worker is `idle`; else after
+/// `UNSTARTABLE_HOLD` if it `spares` deliveries (a job past half its `max_deliver` waits for
+/// room here, as a taken job does), and after `hold_limit` in any case.
+fn goes_back(unstartable_for: Option<Duration>, idle: bool, spares: bool, hold_limit: Duration) -> bool {
+    match unstartable_for {
+        None => false,
+        Some(_) if idle => true,
+        Some(waited) => (spares && waited >= UNSTARTABLE_HOLD) || waited >= hold_limit,
+    }
 }
 
 async fn give_back(waiting: Vec<Waiting>) {
     for waiting in waiting {
-        waiting.kept.delivery.nak(None).await;
+        // The keep-alive first: an in-progress ack after the nak would hold the job back.
+        let (delivery, alive) = waiting.kept.into_parts();
+        drop(alive);
+        delivery.nak(None).await;
     }
+}
+
+/// When each priority's jobs are overdue here: their `[priorities]` bound passed since the job
+/// was fetched and since a job of its priority was last dealt (one jump per bound, as the
+/// scheduler's).
+struct Clock {
+    /// Each priority's bound, by rank.
+    bounds: [Option<Duration>; 3],
+    /// When a job of each priority was last dealt, by rank.
+    last_dealt: [Option<Instant>; 3],
+}
+
+impl Clock {
+    fn new(priorities: &PriorityConfig) -> Self {
+        Self { bounds: [Priority::P0, Priority::P1, Priority::P2].map(|p| priorities.max_wait(p)), last_dealt: [None; 3] }
+    }
+
+    /// By how much `candidate` is overdue at `now` (`None`: not overdue).
+    fn overdue(&self, candidate: &Candidate, now: Instant) -> Option<Duration> {
+        let rank = candidate.priority.rank();
+        let from = self.last_dealt[rank].map_or(candidate.since, |dealt| dealt.max(candidate.since));
+        self.bounds[rank].and_then(|bound| now.saturating_duration_since(from).checked_sub(bound))
+    }
+}
+
+/// Takes one slot's group out of `waiting` (see `pick_group`), its lead first, and restarts
+/// the clock of each priority it holds.
+fn deal_from<T>(waiting: &mut Vec<T>, candidate: impl Fn(&T) -> &Candidate, per_slot: usize, clock: &mut Clock, round: &mut Round) -> Vec<T> {
+    let candidates: Vec<&Candidate> = waiting.iter().map(&candidate).collect();
+    let now = round.now;
+    let picked = pick_group(&candidates, per_slot, |c| clock.overdue(c, now), round);
+    let taken = take_picked(waiting, &picked);
+    for item in &taken {
+        clock.last_dealt[candidate(item).priority.rank()] = Some(now);
+    }
+    taken
 }
 
 /// Takes the items at `picked` (distinct indices) out of `items`, in the order of `picked`.
@@ -241,13 +305,10 @@ fn take_picked<T>(items: &mut Vec<T>, picked: &[usize]) -> Vec<T> {
 }
 
 /// Indices into `waiting` (in fetch order) of one slot's group, taking their room from the
-/// round's: the lead is the first that can start, overdue ones (past their priority's bound in
-/// `bounds`) first, most overdue first, then by priority in the round's order, then by place;
-/// then up to `per_slot - 1` that can start and share its batches, in the same order.
-fn pick_group(waiting: &[&Candidate], per_slot: usize, bounds: &[Option<Duration>; 3], round: &mut Round) -> Vec<usize> {
-    let overdue = |candidate: &Candidate| {
-        bounds[candidate.priority.rank()].and_then(|bound| round.now.saturating_duration_since(candidate.since).checked_sub(bound))
-    };
+/// round's: the lead is the first that can start, overdue ones (by how much, `overdue`) first,
+/// most overdue first, then by priority in the round's order, then by place; then up to
+/// `per_slot - 1` that can start and share its batches, in the same order.
+fn pick_group(waiting: &[&Candidate], per_slot: usize, overdue: impl Fn(&Candidate) -> Option<Duration>, round: &mut Round) -> Vec<usize> {
     let mut queue: Vec<usize> = (0..waiting.len()).collect();
     // Stable: ties keep fetch order.
     queue.sort_by_key(|&i| match overdue(waiting[i]) {
@@ -285,11 +346,14 @@ mod tests {
     use super::*;
 
     const STRICT: [Priority; 3] = [Priority::P0, Priority::P1, Priority::P2];
-    /// `[priorities]`'s defaults: p1 20 s, p2 60 s.
-    const BOUNDS: [Option<Duration>; 3] = [None, Some(Duration::from_secs(20)), Some(Duration::from_secs(60))];
+
+    /// A round's clock an hour ahead, so that jobs can have been fetched minutes before it.
+    fn later() -> Instant {
+        Instant::now() + Duration::from_secs(3600)
+    }
 
     /// A waiting job of `priority` at a square `size` (0: a payload that does not decode),
-    /// fetched `ago` seconds before the round; `id` names it.
+    /// fetched `ago` seconds before `now`; `id` names it.
     fn waited(id: u32, priority: Priority, size: u32, ago: u64, now: Instant) -> Candidate {
         let batch = (size > 0).then(|| BatchKey { set: Vec::new(), width: size, height: size, steps: 30, guidance_bits: 5.0f32.to_bits() });
         let job = (size > 0).then(|| format!("board/{id}"));
@@ -304,105 +368,126 @@ mod tests {
         Round { order: order.to_vec(), now, room: HashMap::from([(MemoryClass::M, jobs)]) }
     }
 
-    /// Deals up to `slots` groups from `waiting` in one round; each group as its jobs' ids.
-    fn deal(mut waiting: Vec<Candidate>, slots: usize, per_slot: usize, round: &mut Round) -> Vec<Vec<u32>> {
-        let mut groups = Vec::new();
-        for _ in 0..slots {
-            let refs: Vec<&Candidate> = waiting.iter().collect();
-            let picked = pick_group(&refs, per_slot, &BOUNDS, round);
-            if picked.is_empty() {
-                break;
-            }
-            let id = |c: &Candidate| c.job.as_ref().map_or(0, |job| job.rsplit('/').next().unwrap().parse().unwrap());
-            groups.push(take_picked(&mut waiting, &picked).iter().map(id).collect());
-        }
-        groups
+    /// `[priorities]`'s defaults: p1 20 s, p2 60 s.
+    fn clock() -> Clock {
+        Clock::new(&PriorityConfig::default())
+    }
+
+    /// Deals up to `slots` groups from `waiting` in one round; each group as its jobs' ids (0
+    /// for a payload that does not decode).
+    fn deal(mut waiting: Vec<Candidate>, slots: usize, per_slot: usize, clock: &mut Clock, round: &mut Round) -> Vec<Vec<u32>> {
+        let id = |c: &Candidate| c.job.as_ref().map_or(0, |job| job.rsplit('/').next().unwrap().parse().unwrap());
+        (0..slots)
+            .map(|_| deal_from(&mut waiting, |c| c, per_slot, clock, round).iter().map(id).collect::<Vec<u32>>())
+            .take_while(|group| !group.is_empty())
+            .collect()
     }
 
     #[test]
     fn a_slot_is_dealt_its_leads_batch_partners_from_the_whole_reserve() {
         use Priority::P1;
-        let now = Instant::now();
+        let now = later();
         // A storyboard's interleaved sizes: the lead (1024) finds its partners further back.
         let sizes = [1024, 1152, 896, 1024, 1152, 1024, 1024, 1024];
         let waiting = sizes.iter().enumerate().map(|(i, &size)| job(i as u32 + 1, P1, size, now)).collect();
-        assert_eq!(deal(waiting, 2, 4, &mut round(&STRICT, 8, now)), [vec![1, 4, 6, 7], vec![2, 5]]);
+        assert_eq!(deal(waiting, 2, 4, &mut clock(), &mut round(&STRICT, 8, now)), [vec![1, 4, 6, 7], vec![2, 5]]);
     }
 
     #[test]
     fn a_new_higher_priority_leads_before_older_lower_ones_and_an_overdue_priority_before_all() {
         use Priority::{P0, P1, P2};
-        let now = Instant::now();
+        let now = later();
         // Two p2 fetched earlier, then a p0 of another size.
         let waiting = || vec![waited(1, P2, 1024, 10, now), waited(2, P2, 1024, 10, now), job(3, P0, 896, now)];
-        assert_eq!(deal(waiting(), 1, 4, &mut round(&STRICT, 8, now)), [vec![3]]);
+        assert_eq!(deal(waiting(), 1, 4, &mut clock(), &mut round(&STRICT, 8, now)), [vec![3]]);
         // The scheduler says p2 is overdue: p2 leads, and the p0 waits for the next slot.
-        assert_eq!(deal(waiting(), 1, 4, &mut round(&[P2, P0, P1], 8, now)), [vec![1, 2]]);
+        assert_eq!(deal(waiting(), 1, 4, &mut clock(), &mut round(&[P2, P0, P1], 8, now)), [vec![1, 2]]);
     }
 
     #[test]
-    fn a_job_past_its_prioritys_bound_here_leads_whatever_the_scheduler_says() {
+    fn a_priority_overdue_here_leads_once_per_bound_whatever_the_scheduler_says() {
         use Priority::{P0, P1, P2};
-        let now = Instant::now();
+        let now = later();
         // Under a stream of p0 jobs the scheduler keeps strict order (p2's queue is empty: its
-        // jobs are here). The p2 job fetched 61 s ago is past p2's 60 s, the p1 one 25 s ago past
-        // p1's 20 s by more: the p1 leads, then the p2, then the p0s.
-        let waiting = vec![waited(1, P2, 1024, 61, now), waited(2, P1, 896, 25, now), job(3, P0, 1152, now), job(4, P0, 1152, now)];
-        assert_eq!(deal(waiting, 3, 1, &mut round(&STRICT, 8, now)), [vec![2], vec![1], vec![3]]);
+        // jobs are here). The p2 jobs fetched 61 s ago are past p2's 60 s, the p1 one 25 s ago
+        // past p1's 20 s by more: the p1 leads, then one p2, then the p0s; the second p2 waits
+        // for the next bound, counted from the first one's deal.
+        let waiting = vec![
+            waited(1, P2, 1024, 61, now),
+            waited(2, P1, 896, 25, now),
+            waited(5, P2, 1152, 61, now),
+            job(3, P0, 640, now),
+            job(4, P0, 640, now),
+        ];
+        let mut clock = clock();
+        assert_eq!(deal(waiting, 5, 1, &mut clock, &mut round(&STRICT, 8, now)), [vec![2], vec![1], vec![3], vec![4], vec![5]]);
         // Within their bounds they wait behind the p0s.
         let waiting = vec![waited(1, P2, 1024, 59, now), waited(2, P1, 896, 19, now), job(3, P0, 1152, now)];
-        assert_eq!(deal(waiting, 3, 1, &mut round(&STRICT, 8, now)), [vec![3], vec![2], vec![1]]);
+        assert_eq!(deal(waiting, 3, 1, &mut Clock::new(&PriorityConfig::default()), &mut round(&STRICT, 8, now)), [vec![3], vec![2], vec![1]]);
     }
 
     #[test]
     fn partners_of_higher_priority_come_first() {
         use Priority::{P0, P1, P2};
-        let now = Instant::now();
+        let now = later();
         let waiting = vec![job(1, P1, 1024, now), job(2, P2, 1024, now), job(3, P2, 1024, now), job(4, P0, 896, now), job(5, P1, 1024, now)];
-        assert_eq!(deal(waiting, 1, 3, &mut round(&[P1, P0, P2], 8, now)), [vec![1, 5, 2]]);
+        assert_eq!(deal(waiting, 1, 3, &mut clock(), &mut round(&[P1, P0, P2], 8, now)), [vec![1, 5, 2]]);
     }
 
     #[test]
     fn a_group_takes_no_more_than_its_class_has_room_for_and_a_class_without_room_waits() {
         use Priority::P1;
-        let now = Instant::now();
+        let now = later();
         let waiting = vec![job(1, P1, 1024, now), job(2, P1, 1024, now), job(3, P1, 1024, now)];
-        assert_eq!(deal(waiting.clone(), 2, 4, &mut round(&STRICT, 2, now)), [vec![1, 2]], "two fit; the third waits");
+        assert_eq!(deal(waiting.clone(), 2, 4, &mut clock(), &mut round(&STRICT, 2, now)), [vec![1, 2]], "two fit; the third waits");
         let mut other_class = Round { order: STRICT.to_vec(), now, room: HashMap::from([(MemoryClass::S, 4)]) };
-        assert!(deal(waiting, 1, 4, &mut other_class).is_empty());
+        assert!(deal(waiting, 1, 4, &mut clock(), &mut other_class).is_empty());
     }
 
     #[test]
     fn a_payload_that_does_not_decode_goes_alone_in_its_place() {
         use Priority::P1;
-        let now = Instant::now();
+        let now = later();
         let waiting = vec![job(1, P1, 0, now), job(2, P1, 1024, now), job(3, P1, 0, now), job(4, P1, 1024, now)];
-        assert_eq!(deal(waiting, 3, 4, &mut round(&STRICT, 8, now)), [vec![0], vec![2, 4], vec![0]]);
+        assert_eq!(deal(waiting, 3, 4, &mut clock(), &mut round(&STRICT, 8, now)), [vec![0], vec![2, 4], vec![0]]);
     }
 
     #[test]
     fn two_deliveries_of_one_job_never_share_a_group() {
         use Priority::P1;
-        let now = Instant::now();
+        let now = later();
         // Job 1 published twice (two messages), then job 2 of the same size.
         let waiting = vec![job(1, P1, 1024, now), job(1, P1, 1024, now), job(2, P1, 1024, now)];
-        assert_eq!(deal(waiting, 2, 4, &mut round(&STRICT, 8, now)), [vec![1, 2], vec![1]]);
+        assert_eq!(deal(waiting, 2, 4, &mut clock(), &mut round(&STRICT, 8, now)), [vec![1, 2], vec![1]]);
     }
 
     #[test]
     fn one_job_per_slot_without_batching_keeps_priority_then_fetch_order() {
         use Priority::{P0, P1};
-        let now = Instant::now();
+        let now = later();
         let waiting = vec![job(1, P1, 1024, now), job(2, P1, 896, now), job(3, P0, 1152, now), job(4, P1, 1024, now)];
-        assert_eq!(deal(waiting, 4, 1, &mut round(&STRICT, 8, now)), [vec![3], vec![1], vec![2], vec![4]]);
+        assert_eq!(deal(waiting, 4, 1, &mut clock(), &mut round(&STRICT, 8, now)), [vec![3], vec![1], vec![2], vec![4]]);
     }
 
     #[test]
-    fn a_free_slot_always_fetches_so_a_new_higher_priority_is_seen() {
-        // (waiting, free slots, batch_jobs, lookahead while deep) -> jobs to fetch.
-        assert_eq!(to_fetch(0, 2, 4, 0), 8, "a shallow queue: batch_jobs per free slot");
-        assert_eq!(to_fetch(3, 1, 4, 12), 13, "a deep one: up to the lookahead more");
-        assert_eq!(to_fetch(20, 1, 4, 12), 1, "a full reserve still looks for one new job a free slot");
-        assert_eq!(to_fetch(20, 0, 4, 12), 0);
+    fn a_free_slot_fetches_even_with_a_full_reserve_as_far_as_the_card_has_room() {
+        // (waiting, free slots, batch_jobs, lookahead while deep, room) -> jobs to fetch.
+        assert_eq!(to_fetch(0, 2, 4, 0, 8), 8, "a shallow queue: batch_jobs per free slot");
+        assert_eq!(to_fetch(3, 1, 4, 12, 8), 13, "a deep one: up to the lookahead more");
+        assert_eq!(to_fetch(20, 1, 4, 12, 8), 1, "a full reserve still looks for one new job a free slot");
+        assert_eq!(to_fetch(20, 2, 4, 12, 1), 1, "but not for more than the card has room for");
+        assert_eq!(to_fetch(20, 0, 4, 12, 8), 0);
+    }
+
+    #[test]
+    fn a_job_the_card_cannot_start_goes_back_when_idle_after_its_hold_with_deliveries_to_spare_or_after_the_limit() {
+        let limit = Duration::from_secs(600);
+        let secs = |s| Some(Duration::from_secs(s));
+        assert!(!goes_back(None, true, true, limit), "one it can start stays");
+        assert!(goes_back(secs(0), true, false, limit), "an idle worker gives back at once");
+        assert!(!goes_back(secs(29), false, true, limit));
+        assert!(goes_back(secs(30), false, true, limit), "busy: after 30 s found so");
+        assert!(!goes_back(secs(300), false, false, limit), "past half its deliveries it waits for room");
+        assert!(goes_back(secs(600), false, false, limit), "but not past job_time_limit");
     }
 }
