@@ -104,6 +104,24 @@ fn bad_settings_are_named() {
 }
 
 #[test]
+fn the_lookahead_is_bounded_needs_batching_and_defaults_to_three_batches() {
+    let m = model();
+    let with_model = [("SHOTFLEET_MODEL", m.to_str().unwrap()), ("SHOTFLEET_STORE", "file:///tmp/x")];
+    let e = error(&cpu("batch_jobs = 4\nlookahead = 300", ""), &with_model, Overrides::default());
+    assert!(e.contains("lookahead: 300 is outside 0..=256"), "{e}");
+    let e = error(&cpu("lookahead = 4", ""), &with_model, Overrides::default());
+    assert!(e.contains("lookahead") && e.contains("set batch_jobs above 1"), "{e}");
+    let resolved = |top: &str| {
+        let (_dir, path) = write(&cpu(top, ""));
+        WorkerConfig::resolve(Some(&path), &env(&with_model), Overrides::default()).unwrap().lookahead()
+    };
+    assert_eq!(resolved(""), 0, "no batching, nothing fetched ahead");
+    assert_eq!(resolved("batch_jobs = 4"), 12);
+    assert_eq!(resolved("batch_jobs = 4\nlookahead = 0"), 0);
+    assert_eq!(resolved("lookahead = 0"), 0, "0 is fine without batching");
+}
+
+#[test]
 fn the_binary_refuses_bad_config_with_exit_code_2() {
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_shotfleet-consumer"))
         .args(["--device", "cpu", "--model", "/definitely/missing"])

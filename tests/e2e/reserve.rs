@@ -61,7 +61,7 @@ async fn on_a_mixed_queue_the_reserve_deals_each_render_a_fuller_batch() {
     let [(_, (without, _)), (_, (with, _))] = seen[..] else { unreachable!() };
     // Without a reserve a render finds its partners among the four fetched for it: in this
     // order, one. With twelve more held while the queue is deep, most renders are full batches
-    // of four (seven renders against twelve when this was written; six is the least possible).
+    // of four (six renders is the least possible).
     assert!(without >= 12, "{seen:?}");
     assert!(with + 3 <= without, "{seen:?}");
 }

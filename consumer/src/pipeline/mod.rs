@@ -87,10 +87,8 @@ pub struct CudaConfig {
 }
 
 impl CudaConfig {
-    /// The UNet's convolution search: as set, else `Heuristic`. On the H200 it made the fused
-    /// UNet's call 3% faster than ONNX Runtime's default (deploy/gpu/RESULTS.md, first lease of
-    /// 2026-11-30), every fleet figure since was measured with it, and the plans it builds again
-    /// at each new size cost ~25 ms a render (lease of 2026-12-04, third).
+    /// The UNet's convolution search: as set, else `Heuristic`, the faster call on the H200 and
+    /// the cheaper plans at each new size (deploy/gpu/RESULTS.md).
     pub fn unet_conv_search(&self) -> ConvSearch {
         self.unet.conv_algo_search.unwrap_or(ConvSearch::Heuristic)
     }
@@ -164,9 +162,7 @@ impl Default for CudaTuning {
 ///
 /// With cuDNN 9, ONNX Runtime's CUDA convolutions go through cuDNN's frontend and keep the plan
 /// of their last input shape only: every change of shape builds the plans again, with the
-/// heuristic this picks. On the H200 (deploy/gpu/RESULTS.md, lease of 2026-12-04, third) a VAE
-/// decode after a decode of another size took ~1.3 s against ~0.15 s after the same size on
-/// `Exhaustive`; the UNet on `Heuristic` paid ~25 ms a switch.
+/// heuristic this picks, at a cost deploy/gpu/RESULTS.md has per graph and search.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum ConvSearch {
@@ -582,10 +578,9 @@ impl Pipeline {
     /// The decoder runs in it only where its arena holds more than its weights (it keeps its
     /// arena, or its last run did not end well): a decoder that gives its regions back after
     /// every decode has nothing to give here, and on a GPU each of its convolutions keeps the
-    /// cuDNN plan of its last input shape only, so a tiny decode between two decodes of one
-    /// size makes the second plan again (~1.1 s a decode on the H200; deploy/gpu/RESULTS.md,
-    /// lease of 2026-12-04, third). The UNet's runs here cost the next render its plans too
-    /// (~25 ms on `conv_algo_search = "heuristic"`), but its arena is the one to give back.
+    /// cuDNN plan of its last input shape only ([`ConvSearch`]), so a tiny decode between two
+    /// decodes of one size would make the second plan again, about a second on SDXL. The UNet's runs
+    /// here cost the next render its plans too, less, but its arena is the one to give back.
     ///
     /// # Errors
     /// As [`Pipeline::render`].

@@ -549,7 +549,7 @@ impl Fetching<'_> {
             return Ok(true);
         }
         // Idle, shrunk once, and nothing started: what waits cannot start on this card now.
-        let idle = !started && free == shared.config.concurrency;
+        let idle = !started && self.all_slots_free();
         self.reserve.give_back_unstartable(Some(&admission), idle, shared.max_deliver).await;
         Ok(started)
     }
