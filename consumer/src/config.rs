@@ -13,6 +13,7 @@
 //! concurrency = 1                  # jobs rendered at once
 //! batch_jobs = 4                   # compatible jobs rendered together in shared UNet batches
 //! lookahead = 12                   # jobs fetched ahead to find them on a mixed queue (default 3 x batch_jobs)
+//! affinity_passes = 2              # times a job may be passed over for one like the last render's
 //! grace_period = "60s"
 //! job_time_limit = "10m"
 //!
@@ -199,8 +200,13 @@ pub struct WorkerConfig {
     pub batch_jobs: usize,
     /// Jobs fetched beyond `batch_jobs` per free slot while the queue is deep, kept alive in the
     /// worker's reserve, so that a slot finds batch partners for its lead on a queue of mixed
-    /// sizes (worker/reserve.rs). `None`: three times `batch_jobs` when batching, else 0.
+    /// sizes, and jobs like the last render's (`affinity_passes`) (worker/reserve.rs). `None`:
+    /// three times `batch_jobs` when batching, else 0.
     pub lookahead: Option<usize>,
+    /// How many times a waiting job may be passed over, within its priority, for one more like
+    /// the last group dealt (the same batch, LoRA set or size), so that renders in a row keep a
+    /// LoRA set on the device and a size's convolution plans (worker/reserve.rs). 0: arrival order.
+    pub affinity_passes: u32,
     /// On SIGTERM, how long in-flight jobs may take to finish before they are naked.
     #[serde(with = "humantime_serde")]
     pub grace_period: Duration,
@@ -262,6 +268,7 @@ impl Default for WorkerConfig {
             concurrency: 1,
             batch_jobs: 1,
             lookahead: None,
+            affinity_passes: 2,
             grace_period: Duration::from_secs(60),
             job_time_limit: Duration::from_secs(600),
             progress_interval: None,
@@ -415,12 +422,13 @@ impl WorkerConfig {
         if self.batch_jobs == 0 || self.batch_jobs > 64 {
             return Err(bad("batch_jobs", format!("{} is outside 1..=64", self.batch_jobs)));
         }
-        match self.lookahead {
-            Some(n) if n > 256 => return Err(bad("lookahead", format!("{n} is outside 0..=256"))),
-            Some(n) if n > 0 && self.batch_jobs == 1 => {
-                return Err(bad("lookahead", "it only finds batch partners: set batch_jobs above 1, or leave lookahead out"));
-            }
-            _ => {}
+        if let Some(n) = self.lookahead
+            && n > 256
+        {
+            return Err(bad("lookahead", format!("{n} is outside 0..=256")));
+        }
+        if self.affinity_passes > 64 {
+            return Err(bad("affinity_passes", format!("{} is outside 0..=64", self.affinity_passes)));
         }
         if self.job_time_limit < Duration::from_secs(1) {
             return Err(bad("job_time_limit", "must be at least 1s"));

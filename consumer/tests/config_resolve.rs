@@ -104,21 +104,23 @@ fn bad_settings_are_named() {
 }
 
 #[test]
-fn the_lookahead_is_bounded_needs_batching_and_defaults_to_three_batches() {
+fn the_lookahead_and_affinity_are_bounded_and_the_lookahead_defaults_to_three_batches() {
     let m = model();
     let with_model = [("SHOTFLEET_MODEL", m.to_str().unwrap()), ("SHOTFLEET_STORE", "file:///tmp/x")];
     let e = error(&cpu("batch_jobs = 4\nlookahead = 300", ""), &with_model, Overrides::default());
     assert!(e.contains("lookahead: 300 is outside 0..=256"), "{e}");
-    let e = error(&cpu("lookahead = 4", ""), &with_model, Overrides::default());
-    assert!(e.contains("lookahead") && e.contains("set batch_jobs above 1"), "{e}");
+    let e = error(&cpu("affinity_passes = 65", ""), &with_model, Overrides::default());
+    assert!(e.contains("affinity_passes: 65 is outside 0..=64"), "{e}");
     let resolved = |top: &str| {
         let (_dir, path) = write(&cpu(top, ""));
-        WorkerConfig::resolve(Some(&path), &env(&with_model), Overrides::default()).unwrap().lookahead()
+        let config = WorkerConfig::resolve(Some(&path), &env(&with_model), Overrides::default()).unwrap();
+        (config.lookahead(), config.affinity_passes)
     };
-    assert_eq!(resolved(""), 0, "no batching, nothing fetched ahead");
-    assert_eq!(resolved("batch_jobs = 4"), 12);
-    assert_eq!(resolved("batch_jobs = 4\nlookahead = 0"), 0);
-    assert_eq!(resolved("lookahead = 0"), 0, "0 is fine without batching");
+    assert_eq!(resolved(""), (0, 2), "no batching, nothing fetched ahead");
+    assert_eq!(resolved("batch_jobs = 4").0, 12);
+    assert_eq!(resolved("batch_jobs = 4\nlookahead = 0").0, 0);
+    // Without batching a reserve still finds jobs like the last render's (a LoRA set kept).
+    assert_eq!(resolved("lookahead = 8\naffinity_passes = 0"), (8, 0));
 }
 
 #[test]

@@ -22,13 +22,18 @@
 #                at every switch of size, ~1.15 s a VAE decode on the default search (RESULTS.md,
 #                lease of 2026-12-04, third); the summary's `vae_after_switch` of each run says
 #                what a switch costs
-#   storyboard-no-lookahead  as storyboard, without the worker's reserve (`lookahead = 0`): each
-#                slot's batch partners come only from the jobs fetched for it, as before the
-#                reserve (worker/reserve.rs); the summary's `grouped` of each run says how many
-#                renders were groups
+#   storyboard-no-affinity  as storyboard-stored (the first run's state folder: its figures to
+#                read are steady-state ones), without affinity (`affinity_passes = 0`): each lead
+#                by arrival within its priority, not one like the last group dealt
+#                (worker/reserve.rs); the summary's `vae_after_switch` counts the renders after
+#                another size
+#   storyboard-no-lookahead  as storyboard-stored, without the worker's reserve (`lookahead = 0`):
+#                each slot's batch partners come only from the jobs fetched for it, as before the
+#                reserve; the summary's `renders` of each run says how many renders were groups
 #
-# STORY_RUNS (storyboard,storyboard-no-lookahead,storyboard-vae-heuristic) picks;
-# storyboard-stored needs storyboard in the same call.
+# STORY_RUNS (storyboard,storyboard-vae-heuristic,storyboard-no-affinity,storyboard-no-lookahead)
+# picks, in the order they run (the deadline skips the last ones first); storyboard-stored,
+# storyboard-no-affinity and storyboard-no-lookahead need storyboard in the same call.
 #
 # The CPU dry run divides every side by 8 (128² .. 152x104) and renders STEPS (8) steps.
 
@@ -47,10 +52,12 @@ stage_storyboard() {
     rm -rf "$WORK/state-kept"
     story_run storyboard "the mixed storyboard from a cold worker" ""
     story_run storyboard-stored "the mixed storyboard from a cold worker with the first run's state folder" "$WORK/state-kept"
-    story_run storyboard-no-lookahead "the mixed storyboard from a cold worker without a reserve (lookahead = 0)" \
-        "" "" "lookahead = 0"
     story_run storyboard-vae-heuristic "the mixed storyboard from a cold worker, the VAE on cuDNN's heuristic search" \
         "" $'\n\n[cuda.vae]\nconv_algo_search = "heuristic"'
+    story_run storyboard-no-affinity "the mixed storyboard from the first run's state folder without affinity (affinity_passes = 0)" \
+        "$WORK/state-kept" "" "affinity_passes = 0"
+    story_run storyboard-no-lookahead "the mixed storyboard from the first run's state folder without a reserve (lookahead = 0)" \
+        "$WORK/state-kept" "" "lookahead = 0"
 }
 
 # story_run NAME LABEL KEPT [TABLES] [TOP]: one storyboard run; KEPT, when set, the state folder

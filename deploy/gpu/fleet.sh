@@ -116,7 +116,7 @@ case "$STAGE" in
     see) RUNS=,see, ;;
     box) RUNS=,${FLEET_RUNS:-one,two,mixed}, ;;
     board) RUNS=,${FLEET_RUNS:-board,board-small}, ;;
-    storyboard) RUNS=,${STORY_RUNS:-storyboard,storyboard-no-lookahead,storyboard-vae-heuristic}, ;;
+    storyboard) RUNS=,${STORY_RUNS:-storyboard,storyboard-vae-heuristic,storyboard-no-affinity,storyboard-no-lookahead}, ;;
 esac
 RESULTS=${RESULTS:-$WORK/results}
 OUT=${OUT:-$RESULTS}

@@ -27,8 +27,9 @@ from storyboards import firsts_of_sizes
 FLEET_RUNS = (
     ("storyboard", "shotfleet (cold worker)"),
     ("storyboard_stored", "shotfleet (cold worker, stored calibration)"),
-    ("storyboard_no_lookahead", "shotfleet (cold worker, no reserve)"),
     ("storyboard_vae_heuristic", "shotfleet (cold worker, VAE heuristic search)"),
+    ("storyboard_no_affinity", "shotfleet (stored calibration, no affinity)"),
+    ("storyboard_no_lookahead", "shotfleet (stored calibration, no reserve)"),
 )
 
 

@@ -402,6 +402,7 @@ async fn fetch_loop(shared: &Arc<Shared>, consumers: &fetch::Consumers, tracker:
         scheduler: priority::Scheduler::new(&shared.config.priorities, Instant::now()),
         reserve: reserve::Reserve::new(
             shared.config.lookahead(),
+            shared.config.affinity_passes,
             shared.keep_alive_interval(),
             &shared.config.priorities,
             shared.config.job_time_limit,

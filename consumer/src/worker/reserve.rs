@@ -10,6 +10,15 @@
 //!   `[priorities]` bound passed since it was fetched and since a job of its priority was last
 //!   dealt here: one jump per bound, as the scheduler's), the most overdue first; else by
 //!   priority in the round's order (the scheduler's, taken before the fetch), then fetch order;
+//! - unless **affinity** (`affinity_passes`) finds a job of that same priority more like the
+//!   last group dealt: the same batch, else the same LoRA set, else the same size, with a group
+//!   no smaller. It leads instead, and the job it passed over counts a pass; one passed over
+//!   `affinity_passes` times leads. So a batch, set or size keeps the card for at most that many
+//!   more groups while an older job of another waits first in line. Renders in a row then keep
+//!   what the card has warm: a set on the device (placed again from host memory 0.7 s, from the
+//!   store seconds) and the convolution plans of a size (ONNX Runtime's CUDA `Conv` plans again
+//!   at every change of shape: ~1.15 s a VAE decode, deploy/gpu/RESULTS.md, lease of 2026-12-04,
+//!   third);
 //! - its **partners**, up to `batch_jobs - 1`, wait with the same LoRAs, size, steps and
 //!   guidance, in the same order (never a second delivery of a job already in the group);
 //! - each job counts against its class's room in the round's admission: a job whose class does
@@ -19,7 +28,10 @@
 //! - **Priorities.** A p0 job fetched this round leads before a p1 or p2 fetched earlier. A p1
 //!   or p2 job waits in the stream until the scheduler polls its priority (its bound), then here
 //!   until its priority is overdue again (the bound once more), then one render: about twice
-//!   its bound at most, with room for its class.
+//!   its bound at most, with room for its class. Affinity reorders jobs of one priority only,
+//!   never passes an overdue job, and passes the first in line `affinity_passes` times at most:
+//!   a job waits at most `affinity_passes` groups more than in arrival order for itself and for
+//!   each job in line before it.
 //! - **The ack clock.** Every waiting job is kept alive (in-progress acks) from its fetch; its
 //!   keep-alive goes on with it into the slot (`Kept`), so no gap opens at the hand-over.
 //! - **The fleet.** The lookahead is fetched only while the server reported at least
@@ -78,6 +90,8 @@ pub(crate) struct Candidate {
     pub job: Option<String>,
     /// When it was fetched: its priority's bound counts from there.
     pub since: Instant,
+    /// How many groups were dealt ahead of it for affinity.
+    pub passed: u32,
 }
 
 impl Candidate {
@@ -95,7 +109,7 @@ impl Candidate {
             guidance_bits: job.guidance.to_bits(),
         });
         let job = job.map(|job| format!("{}/{}", job.project, job.job_id));
-        Self { priority: delivery.origin.priority, class, batch, job, since }
+        Self { priority: delivery.origin.priority, class, batch, job, since, passed: 0 }
     }
 }
 
@@ -109,6 +123,7 @@ struct Waiting {
 }
 
 /// One round of dealing: its priority order, its clock, and the room its admission gives.
+#[derive(Clone)]
 pub(crate) struct Round {
     order: Vec<Priority>,
     now: Instant,
@@ -152,14 +167,18 @@ pub(crate) struct Reserve {
     deep: bool,
     keep_alive: Option<Duration>,
     clock: Clock,
+    affinity: Affinity,
     /// The longest a job the card cannot start waits here (`job_time_limit`), spare deliveries
     /// or not.
     hold_limit: Duration,
 }
 
 impl Reserve {
-    pub fn new(lookahead: usize, keep_alive: Option<Duration>, priorities: &PriorityConfig, hold_limit: Duration) -> Self {
-        Self { waiting: Vec::new(), lookahead, deep: false, keep_alive, clock: Clock::new(priorities), hold_limit }
+    /// `affinity_passes`: how many times a job may be passed over for one more like the last
+    /// group dealt (0: never).
+    pub fn new(lookahead: usize, affinity_passes: u32, keep_alive: Option<Duration>, priorities: &PriorityConfig, hold_limit: Duration) -> Self {
+        let affinity = Affinity { last: None, passes: affinity_passes };
+        Self { waiting: Vec::new(), lookahead, deep: false, keep_alive, clock: Clock::new(priorities), affinity, hold_limit }
     }
 
     /// How many jobs to fetch in `round` for `free` slots of `per_slot` jobs each: up to the
@@ -189,7 +208,7 @@ impl Reserve {
     /// Deals one slot's group of at most `per_slot` jobs, its lead first (none when nothing
     /// waiting can start), taking its room from the round's.
     pub fn deal(&mut self, per_slot: usize, round: &mut Round) -> Vec<Kept> {
-        let taken = deal_from(&mut self.waiting, |waiting| &waiting.candidate, per_slot, &mut self.clock, round);
+        let taken = deal_from(&mut self.waiting, |waiting| &mut waiting.candidate, per_slot, &mut self.clock, &mut self.affinity, round);
         let mut group: Vec<Kept> = taken.into_iter().map(|waiting| waiting.kept).collect();
         for kept in &mut group {
             // The wait a result reports is up to its render: in the stream and in this reserve.
@@ -282,15 +301,56 @@ impl Clock {
     }
 }
 
-/// Takes one slot's group out of `waiting` (see `pick_group`), its lead first, and restarts
-/// the clock of each priority it holds.
-fn deal_from<T>(waiting: &mut Vec<T>, candidate: impl Fn(&T) -> &Candidate, per_slot: usize, clock: &mut Clock, round: &mut Round) -> Vec<T> {
-    let candidates: Vec<&Candidate> = waiting.iter().map(&candidate).collect();
+/// What the last group dealt here shared, and how often a job may be passed over for a lead
+/// more like it.
+struct Affinity {
+    last: Option<BatchKey>,
+    passes: u32,
+}
+
+impl Affinity {
+    /// How like the last group `candidate` is, best first: the same batch, the same LoRA set
+    /// (not none: jobs without LoRAs share no set to keep), the same size; `None`: unlike it,
+    /// or affinity is off.
+    fn likeness(&self, candidate: &Candidate) -> Option<u8> {
+        let (last, batch) = (self.last.as_ref().filter(|_| self.passes > 0)?, candidate.batch.as_ref()?);
+        if batch == last {
+            Some(0)
+        } else if !batch.set.is_empty() && batch.set == last.set {
+            Some(1)
+        } else if (batch.width, batch.height) == (last.width, last.height) {
+            Some(2)
+        } else {
+            None
+        }
+    }
+}
+
+/// Takes one slot's group out of `waiting` (see `pick_group`), its lead first: restarts the
+/// clock of each priority it holds, counts a pass for the job it passed over, and remembers
+/// the group for affinity.
+fn deal_from<T>(
+    waiting: &mut Vec<T>,
+    candidate: impl Fn(&mut T) -> &mut Candidate,
+    per_slot: usize,
+    clock: &mut Clock,
+    affinity: &mut Affinity,
+    round: &mut Round,
+) -> Vec<T> {
     let now = round.now;
-    let picked = pick_group(&candidates, per_slot, |c| clock.overdue(c, now), round);
-    let taken = take_picked(waiting, &picked);
-    for item in &taken {
+    let picked = {
+        let candidates: Vec<&Candidate> = waiting.iter_mut().map(|item| &*candidate(item)).collect();
+        pick_group(&candidates, per_slot, |c| clock.overdue(c, now), affinity, round)
+    };
+    if let Some(i) = picked.passed {
+        candidate(&mut waiting[i]).passed += 1;
+    }
+    let mut taken = take_picked(waiting, &picked.group);
+    for item in &mut taken {
         clock.last_dealt[candidate(item).priority.rank()] = Some(now);
+    }
+    if let Some(lead) = taken.first_mut().and_then(|lead| candidate(lead).batch.clone()) {
+        affinity.last = Some(lead);
     }
     taken
 }
@@ -304,38 +364,86 @@ fn take_picked<T>(items: &mut Vec<T>, picked: &[usize]) -> Vec<T> {
     picked.iter().map(|i| taken.remove(i).expect("each index picked once")).collect()
 }
 
-/// Indices into `waiting` (in fetch order) of one slot's group, taking their room from the
-/// round's: the lead is the first that can start, overdue ones (by how much, `overdue`) first,
-/// most overdue first, then by priority in the round's order, then by place; then up to
-/// `per_slot - 1` that can start and share its batches, in the same order.
-fn pick_group(waiting: &[&Candidate], per_slot: usize, overdue: impl Fn(&Candidate) -> Option<Duration>, round: &mut Round) -> Vec<usize> {
+/// One slot's group, as indices into the waiting jobs: its lead first; and the job that would
+/// have led it, where affinity passed it over.
+struct Picked {
+    group: Vec<usize>,
+    passed: Option<usize>,
+}
+
+/// Picks one slot's group from `waiting` (in fetch order), taking its room from the round's.
+///
+/// The queue: overdue jobs (by how much, `overdue`) first, most overdue first, then by
+/// priority in the round's order, then by place. Its first job that can start (the plain lead)
+/// leads, unless it is not overdue, has been passed over fewer than `affinity.passes` times,
+/// and a later job of its priority is more like the last group (`Affinity::likeness`) with a
+/// group no smaller: the most alike of those leads, the first of them in the queue. The
+/// partners: up to `per_slot - 1` that can start and share the lead's batches, in queue order.
+fn pick_group(
+    waiting: &[&Candidate],
+    per_slot: usize,
+    overdue: impl Fn(&Candidate) -> Option<Duration>,
+    affinity: &Affinity,
+    round: &mut Round,
+) -> Picked {
     let mut queue: Vec<usize> = (0..waiting.len()).collect();
+    let overdue: Vec<Option<Duration>> = waiting.iter().map(|c| overdue(c)).collect();
     // Stable: ties keep fetch order.
-    queue.sort_by_key(|&i| match overdue(waiting[i]) {
+    queue.sort_by_key(|&i| match overdue[i] {
         Some(by) => (0, Reverse(by), 0),
         None => (1, Reverse(Duration::ZERO), round.rank(waiting[i].priority)),
     });
-    let mut group: Vec<usize> = Vec::new();
-    for i in queue {
+    let Some(first) = queue.iter().position(|&i| round.fits(waiting[i])) else {
+        return Picked { group: Vec::new(), passed: None };
+    };
+    let plain = queue[first];
+    let plain_group = group_for(plain, &queue, waiting, per_slot, &mut round.clone());
+    let plain_len = plain_group.len();
+    let mut lead = (plain, plain_group);
+    if overdue[plain].is_none() && waiting[plain].passed < affinity.passes {
+        // Later jobs of the plain lead's priority (none overdue: they sort first) more like the
+        // last group than it; the most alike whose group is no smaller, the first of them.
+        let mut best_likeness = affinity.likeness(waiting[plain]);
+        for &i in &queue[first + 1..] {
+            let candidate = waiting[i];
+            if candidate.priority != waiting[plain].priority {
+                break;
+            }
+            let Some(likeness) = affinity.likeness(candidate) else { continue };
+            if best_likeness.is_some_and(|best| best <= likeness) || !round.fits(candidate) {
+                continue;
+            }
+            let group = group_for(i, &queue, waiting, per_slot, &mut round.clone());
+            if group.len() >= plain_len {
+                best_likeness = Some(likeness);
+                lead = (i, group);
+            }
+        }
+    }
+    let (lead, group) = lead;
+    for &i in &group {
+        round.take_room(waiting[i]);
+    }
+    // A lead more alike has another batch than the plain lead's: the plain lead is not in its group.
+    Picked { group, passed: (lead != plain).then_some(plain) }
+}
+
+/// The group `lead` would lead: itself, then up to `per_slot - 1` from `queue` (in its order)
+/// that share its batches, that the round (`room`, spent as they join) has room for, and that
+/// are not a second delivery of a job already in it. A payload that does not decode goes alone.
+fn group_for(lead: usize, queue: &[usize], waiting: &[&Candidate], per_slot: usize, room: &mut Round) -> Vec<usize> {
+    room.take_room(waiting[lead]);
+    let mut group = vec![lead];
+    let Some(batch) = waiting[lead].batch.as_ref() else { return group };
+    for &i in queue {
         if group.len() == per_slot.max(1) {
             break;
         }
         let candidate = waiting[i];
-        let joins = match group.first() {
-            None => true,
-            Some(&lead) => {
-                let lead = waiting[lead];
-                let second_delivery = candidate.job.is_some() && group.iter().any(|&member| waiting[member].job == candidate.job);
-                lead.batch.is_some() && candidate.batch == lead.batch && !second_delivery
-            }
-        };
-        if joins && round.fits(candidate) {
-            round.take_room(candidate);
+        let second_delivery = candidate.job.is_some() && group.iter().any(|&member| waiting[member].job == candidate.job);
+        if i != lead && candidate.batch.as_ref() == Some(batch) && !second_delivery && room.fits(candidate) {
+            room.take_room(candidate);
             group.push(i);
-            if candidate.batch.is_none() {
-                // A payload that does not decode goes alone.
-                break;
-            }
         }
     }
     group
@@ -355,9 +463,9 @@ mod tests {
     /// A waiting job of `priority` at a square `size` (0: a payload that does not decode),
     /// fetched `ago` seconds before `now`; `id` names it.
     fn waited(id: u32, priority: Priority, size: u32, ago: u64, now: Instant) -> Candidate {
-        let batch = (size > 0).then(|| BatchKey { set: Vec::new(), width: size, height: size, steps: 30, guidance_bits: 5.0f32.to_bits() });
+        let batch = (size > 0).then(|| key(size, ""));
         let job = (size > 0).then(|| format!("board/{id}"));
-        Candidate { priority, class: Some(MemoryClass::M), batch, job, since: now - Duration::from_secs(ago) }
+        Candidate { priority, class: Some(MemoryClass::M), batch, job, since: now - Duration::from_secs(ago), passed: 0 }
     }
 
     fn job(id: u32, priority: Priority, size: u32, now: Instant) -> Candidate {
@@ -373,14 +481,30 @@ mod tests {
         Clock::new(&PriorityConfig::default())
     }
 
-    /// Deals up to `slots` groups from `waiting` in one round; each group as its jobs' ids (0
-    /// for a payload that does not decode).
+    /// Deals up to `slots` groups from `waiting` in one round, with the default affinity and no
+    /// group dealt before; each group as its jobs' ids (0 for a payload that does not decode).
     fn deal(mut waiting: Vec<Candidate>, slots: usize, per_slot: usize, clock: &mut Clock, round: &mut Round) -> Vec<Vec<u32>> {
+        deal_alike(&mut waiting, slots, per_slot, clock, &mut affinity(2, None), round)
+    }
+
+    /// `deal` with the `affinity` given; what is not dealt stays in `waiting`.
+    fn deal_alike(waiting: &mut Vec<Candidate>, slots: usize, per_slot: usize, clock: &mut Clock, affinity: &mut Affinity, round: &mut Round) -> Vec<Vec<u32>> {
         let id = |c: &Candidate| c.job.as_ref().map_or(0, |job| job.rsplit('/').next().unwrap().parse().unwrap());
         (0..slots)
-            .map(|_| deal_from(&mut waiting, |c| c, per_slot, clock, round).iter().map(id).collect::<Vec<u32>>())
+            .map(|_| deal_from(waiting, |c| c, per_slot, clock, affinity, round).iter().map(id).collect::<Vec<u32>>())
             .take_while(|group| !group.is_empty())
             .collect()
+    }
+
+    /// Affinity after a group of `last` (a square size and a LoRA set; `None`: no group yet).
+    fn affinity(passes: u32, last: Option<(u32, &str)>) -> Affinity {
+        Affinity { last: last.map(|(size, set)| key(size, set)), passes }
+    }
+
+    /// The batch of a square `size` at 30 steps, guidance 5, with the LoRA `set` at 1.0 ("": none).
+    fn key(size: u32, set: &str) -> BatchKey {
+        let set = if set.is_empty() { Vec::new() } else { vec![(set.to_string(), 1.0f32.to_bits())] };
+        BatchKey { set, width: size, height: size, steps: 30, guidance_bits: 5.0f32.to_bits() }
     }
 
     #[test]
@@ -462,11 +586,98 @@ mod tests {
     }
 
     #[test]
-    fn one_job_per_slot_without_batching_keeps_priority_then_fetch_order() {
+    fn one_job_per_slot_without_batching_keeps_priority_then_fetch_order_or_the_last_size() {
         use Priority::{P0, P1};
         let now = later();
         let waiting = vec![job(1, P1, 1024, now), job(2, P1, 896, now), job(3, P0, 1152, now), job(4, P1, 1024, now)];
-        assert_eq!(deal(waiting, 4, 1, &mut clock(), &mut round(&STRICT, 8, now)), [vec![3], vec![1], vec![2], vec![4]]);
+        let mut off = affinity(0, None);
+        assert_eq!(deal_alike(&mut waiting.clone(), 4, 1, &mut clock(), &mut off, &mut round(&STRICT, 8, now)), [vec![3], vec![1], vec![2], vec![4]]);
+        // With affinity the second 1024 passes the 896 once.
+        assert_eq!(deal(waiting, 4, 1, &mut clock(), &mut round(&STRICT, 8, now)), [vec![3], vec![1], vec![4], vec![2]]);
+    }
+
+    /// A waiting p1 job of a square `size` with the LoRA `set` ("": none).
+    fn with_set(id: u32, size: u32, set: &str, now: Instant) -> Candidate {
+        Candidate { batch: Some(key(size, set)), ..job(id, Priority::P1, size, now) }
+    }
+
+    #[test]
+    fn a_lead_like_the_last_group_comes_first_when_its_group_is_no_smaller() {
+        use Priority::P1;
+        let now = later();
+        let waiting = || vec![job(1, P1, 896, now), job(2, P1, 896, now), job(3, P1, 1024, now), job(4, P1, 1024, now), job(5, P1, 1152, now)];
+        // After a 1024 group the 1024 pair leads: a pair like the plain lead's.
+        let mut alike = affinity(2, Some((1024, "")));
+        assert_eq!(deal_alike(&mut waiting(), 3, 4, &mut clock(), &mut alike, &mut round(&STRICT, 8, now)), [vec![3, 4], vec![1, 2], vec![5]]);
+        // Not for a smaller group: one 1152 does not pass the 896 pair.
+        let mut alike = affinity(2, Some((1152, "")));
+        assert_eq!(deal_alike(&mut waiting(), 1, 4, &mut clock(), &mut alike, &mut round(&STRICT, 8, now)), [vec![1, 2]]);
+        // Off: arrival order.
+        let mut off = affinity(0, Some((1024, "")));
+        assert_eq!(deal_alike(&mut waiting(), 1, 4, &mut clock(), &mut off, &mut round(&STRICT, 8, now)), [vec![1, 2]]);
+        // One slot a job: the groups are alike in size, so the last group's size runs on.
+        let mut alike = affinity(2, Some((1152, "")));
+        assert_eq!(deal_alike(&mut waiting(), 5, 1, &mut clock(), &mut alike, &mut round(&STRICT, 8, now)), [vec![5], vec![1], vec![2], vec![3], vec![4]]);
+    }
+
+    #[test]
+    fn the_same_batch_comes_before_the_same_set_and_the_same_set_before_the_same_size() {
+        let now = later();
+        let waiting = || vec![with_set(1, 896, "", now), with_set(2, 1024, "", now), with_set(3, 896, "kai", now), with_set(4, 1024, "kai", now)];
+        let lead = |last| deal_alike(&mut waiting(), 1, 1, &mut clock(), &mut affinity(2, Some(last)), &mut round(&STRICT, 8, now))[0][0];
+        assert_eq!(lead((1024, "kai")), 4, "the same batch");
+        assert_eq!(lead((640, "kai")), 3, "the same set, first of two");
+        assert_eq!(lead((1024, "mei")), 2, "the same size, first of two");
+        // Jobs without LoRAs share no set to keep: the size decides.
+        assert_eq!(lead((1024, "")), 2);
+    }
+
+    #[test]
+    fn a_job_is_passed_over_for_affinity_no_more_than_its_passes() {
+        use Priority::P1;
+        let now = later();
+        // An 896 job first, then a stream of 1024 jobs; one job a slot, the last group 1024.
+        let mut waiting = vec![job(1, P1, 896, now), job(2, P1, 1024, now), job(3, P1, 1024, now), job(4, P1, 1024, now), job(5, P1, 1024, now)];
+        let mut alike = affinity(2, Some((1024, "")));
+        let dealt = deal_alike(&mut waiting, 5, 1, &mut clock(), &mut alike, &mut round(&STRICT, 8, now));
+        assert_eq!(dealt, [vec![2], vec![3], vec![1], vec![4], vec![5]], "passed twice, then it leads");
+    }
+
+    #[test]
+    fn a_pass_counts_against_the_first_in_line_only() {
+        use Priority::P1;
+        let now = later();
+        // One pass each: the 896 is passed for the 1024 and then leads; the 640, first in line
+        // now, is passed once in turn, for the 896 like it.
+        let mut waiting = vec![job(1, P1, 896, now), job(2, P1, 640, now), job(3, P1, 1024, now), job(4, P1, 896, now), job(5, P1, 1024, now)];
+        let mut alike = affinity(1, Some((1024, "")));
+        let dealt = deal_alike(&mut waiting, 5, 1, &mut clock(), &mut alike, &mut round(&STRICT, 8, now));
+        assert_eq!(dealt, [vec![3], vec![1], vec![4], vec![2], vec![5]]);
+    }
+
+    #[test]
+    fn affinity_keeps_to_the_lead_priority_and_never_passes_an_overdue_job() {
+        use Priority::{P0, P1, P2};
+        let now = later();
+        let alike = || affinity(2, Some((1024, "")));
+        // A p0 of another size leads before a p1 like the last group.
+        let waiting = vec![job(1, P1, 1024, now), job(2, P0, 896, now)];
+        assert_eq!(deal_alike(&mut waiting.clone(), 2, 1, &mut clock(), &mut alike(), &mut round(&STRICT, 8, now)), [vec![2], vec![1]]);
+        // A p2 past its bound leads before a p0 like the last group.
+        let waiting = vec![waited(1, P2, 896, 61, now), job(2, P0, 1024, now)];
+        assert_eq!(deal_alike(&mut waiting.clone(), 2, 1, &mut clock(), &mut alike(), &mut round(&STRICT, 8, now)), [vec![1], vec![2]]);
+    }
+
+    #[test]
+    fn a_job_waiting_for_room_is_not_counted_as_passed_over() {
+        use Priority::P1;
+        let now = later();
+        let mut alike = affinity(1, Some((1024, "")));
+        // The plain lead (896) is passed once; the job of class L, which has no room, not at all.
+        let mut waiting = vec![Candidate { class: Some(MemoryClass::L), ..job(1, P1, 1536, now) }, job(2, P1, 896, now), job(3, P1, 1024, now)];
+        let dealt = deal_alike(&mut waiting, 1, 1, &mut clock(), &mut alike, &mut round(&STRICT, 8, now));
+        assert_eq!(dealt, [vec![3]]);
+        assert_eq!(waiting.iter().map(|c| c.passed).collect::<Vec<_>>(), [0, 1]);
     }
 
     #[test]
