@@ -29,7 +29,7 @@ fn renders(log: &str, jobs: usize) -> (usize, usize) {
     (groups.len() + jobs - grouped, grouped)
 }
 
-/// The gauge's value in a worker's metrics (0 when absent).
+/// The gauge's (or counter's) value in a worker's metrics (0 when absent).
 fn gauge(metrics: &str, name: &str) -> f64 {
     metrics.lines().find_map(|line| line.strip_prefix(name)?.trim().parse().ok()).unwrap_or(0.0)
 }
@@ -53,12 +53,18 @@ async fn on_a_mixed_queue_the_reserve_deals_each_render_a_fuller_batch() {
             assert_eq!(result.attempt, 1, "{}: never redelivered", result.job_id);
         }
         wait_settled(&js, Duration::from_secs(20)).await;
-        seen.push((lookahead, renders(&worker.plain_log(), JOBS)));
+        let switches = gauge(&worker.metrics(), "shotfleet_size_switches_total") as usize;
+        seen.push((lookahead, renders(&worker.plain_log(), JOBS), switches));
     }
-    for (lookahead, (count, grouped)) in &seen {
-        println!("lookahead {lookahead}: {JOBS} jobs over 3 sizes in {count} renders ({grouped} jobs in groups), {:.2} jobs a render", JOBS as f64 / *count as f64);
+    for (lookahead, (count, grouped), switches) in &seen {
+        println!(
+            "lookahead {lookahead}: {JOBS} jobs over 3 sizes in {count} renders ({grouped} jobs in groups), {:.2} jobs a render, {switches} size switches",
+            JOBS as f64 / *count as f64
+        );
+        // Every group after the first is dealt at its size or another: the counter sees each.
+        assert!((1..*count).contains(switches), "{seen:?}");
     }
-    let [(_, (without, _)), (_, (with, _))] = seen[..] else { unreachable!() };
+    let [(_, (without, _), _), (_, (with, _), _)] = seen[..] else { unreachable!() };
     // Without a reserve a render finds its partners among the four fetched for it: in this
     // order, one. With twelve more held while the queue is deep, most renders are full batches
     // of four (six renders is the least possible).

@@ -363,6 +363,16 @@ impl ModelDtype {
     }
 }
 
+/// Seconds [`Pipeline::load`] spent creating each part's sessions, and warming the run threads
+/// (a tiny render of every graph on each).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct LoadTimes {
+    pub text_s: f64,
+    pub unet_s: f64,
+    pub vae_s: f64,
+    pub warm_s: f64,
+}
+
 #[derive(Debug, Clone)]
 pub struct ModelInfo {
     /// The folder's name.
@@ -425,6 +435,7 @@ pub struct Pipeline {
     run_threads: rayon::ThreadPool,
     /// Every run thread's name, each warmed by one render while loading.
     warmed_threads: Vec<String>,
+    load_times: LoadTimes,
 }
 
 /// Counts pipeline loads, so a LoRA set placed for one is never bound by another.
@@ -448,9 +459,13 @@ impl Pipeline {
             session::cap_cpu_arena(&env, max_mem)?;
         }
         let lora_maps = lora::WeightMaps::load(model_dir)?;
+        let timed = Instant::now();
         let text = TextEncoders::load(&env, &config, &options.for_text_encoders())?;
+        let text_s = timed.elapsed().as_secs_f64();
         let unet = Unet::load(&env, &config, options)?;
+        let unet_s = timed.elapsed().as_secs_f64() - text_s;
         let vae = VaeDecoder::load(&env, &config, options)?;
+        let vae_s = timed.elapsed().as_secs_f64() - text_s - unet_s;
 
         let run_threads = rayon::ThreadPoolBuilder::new()
             .num_threads(options.run_threads.max(1))
@@ -503,8 +518,11 @@ impl Pipeline {
             instance: INSTANCES.fetch_add(1, Ordering::Relaxed),
             run_threads,
             warmed_threads: Vec::new(),
+            load_times: LoadTimes::default(),
         };
+        let warming = Instant::now();
         pipeline.warmed_threads = pipeline.warm_run_threads()?;
+        pipeline.load_times = LoadTimes { text_s, unet_s, vae_s, warm_s: warming.elapsed().as_secs_f64() };
         Ok(pipeline)
     }
 
@@ -526,6 +544,11 @@ impl Pipeline {
                 path: self.model_dir.clone(),
                 detail: format!("the warm-up render on run thread {detail}"),
             })
+    }
+
+    /// How long [`Pipeline::load`] took over each part: where a cold worker's start goes.
+    pub fn load_times(&self) -> LoadTimes {
+        self.load_times
     }
 
     /// The names of the run threads, each of which has run every graph once by the time

@@ -32,6 +32,7 @@ pub const FAILURES_TOTAL: &str = "shotfleet_failures_total";
 pub const BACKLOG_JOBS: &str = "shotfleet_backlog_jobs";
 pub const LORA_SWITCHES_TOTAL: &str = "shotfleet_lora_switches_total";
 pub const LORA_POOL_BYTES: &str = "shotfleet_lora_pool_bytes";
+pub const SIZE_SWITCHES_TOTAL: &str = "shotfleet_size_switches_total";
 
 /// Where a job's LoRA set came from: the `source` label of `shotfleet_lora_switches_total`.
 const LORA_SOURCES: [&str; 3] = ["resident", "host", "merged"];
@@ -143,6 +144,11 @@ fn describe() {
         "Renders with another LoRA set than the one before, by where the set came from (resident: a rebind; host: a copy to the device; merged: from the files)."
     );
     describe_gauge!(LORA_POOL_BYTES, Unit::Bytes, "Merged LoRA sets the pool holds, by memory (device: a line of the budget; host).");
+    describe_counter!(
+        SIZE_SWITCHES_TOTAL,
+        Unit::Count,
+        "Groups dealt to a render slot at another image size than the group dealt before (on a GPU each plans the convolutions again)."
+    );
 }
 
 /// Counters a dashboard rates from the start, at zero before their first event (a series that
@@ -150,6 +156,7 @@ fn describe() {
 fn zeroes() {
     counter!(OUT_OF_MEMORY_TOTAL).absolute(0);
     counter!(SESSION_REBUILDS_TOTAL).absolute(0);
+    counter!(SIZE_SWITCHES_TOTAL).absolute(0);
     for &reason in FailureReason::ALL {
         counter!(FAILURES_TOTAL, "reason" => reason.as_str()).absolute(0);
     }
@@ -241,6 +248,11 @@ pub fn lora_set(source: &'static str, switched: bool) {
     if switched {
         counter!(LORA_SWITCHES_TOTAL, "source" => source).increment(1);
     }
+}
+
+/// Counts a group dealt at another image size than the group before.
+pub fn size_switch() {
+    counter!(SIZE_SWITCHES_TOTAL).increment(1);
 }
 
 /// Sets the LoRA pool's gauges.

@@ -38,6 +38,7 @@
 //! | `shotfleet_backlog_jobs` | gauge | `consumer`, `state` | a served consumer's `pending` and `in_progress` jobs, read from the server every 15 s (every worker of a class reports it: take the max) |
 //! | `shotfleet_lora_switches_total` | counter | `source` | renders with another LoRA set than the one before (base-model renders in between change nothing): `resident` (a rebind), `host` (copied to the device from host memory), `merged` (merged from the LoRA files, then placed). A storyboard grouped by set switches about once per character |
 //! | `shotfleet_lora_pool_bytes` | gauge | `memory` | merged LoRA sets the pool holds: `device` (a line of the budget, beside the models), `host` |
+//! | `shotfleet_size_switches_total` | counter | | groups dealt to a render slot at another image size than the group dealt before: on a GPU each one plans the convolutions of the UNet and the VAE decoder again (~1.15 s a VAE decode on the default search, deploy/gpu/RESULTS.md). Against `rate(shotfleet_jobs_total)`, what `affinity_passes` and `lookahead` save on a mixed queue |
 //!
 //! Useful queries: `sum by (outcome) (rate(shotfleet_jobs_total[5m]))`;
 //! `shotfleet_class_servable == 0 unless on(class) shotfleet_class_servable{reason="not_configured"}`
@@ -58,8 +59,8 @@ pub use self::metrics::{
     BUDGET_FREE_BYTES, BUDGET_USED_BYTES, CLASS_SERVABLE, ESTIMATE_ERROR_RATIO, GPU_MEMORY_TOTAL_BYTES, GPU_MEMORY_USED_BYTES,
     GPU_UTILIZATION_RATIO, IN_FLIGHT_JOBS, Counted, JOBS_TOTAL, JobOutcome, OUT_OF_MEMORY_TOTAL, QUEUE_WAIT_SECONDS,
     RENDER_SECONDS, SESSION_REBUILDS_TOTAL, UPLOAD_SECONDS, BACKLOG_JOBS, FAILURES_TOTAL, IMAGES_TOTAL, LORA_POOL_BYTES,
-    LORA_SWITCHES_TOTAL, RESERVED_JOBS, Reserved, backlog, budget, class_servable, estimate_error, gpu_memory, gpu_utilization, images_rendered, in_flight,
-    install, job_failed, job_finished, lora_pool_bytes, lora_set, out_of_memory, queue_wait, render_time, reserved, session_rebuilt,
+    LORA_SWITCHES_TOTAL, RESERVED_JOBS, Reserved, SIZE_SWITCHES_TOTAL, backlog, budget, class_servable, estimate_error, gpu_memory, gpu_utilization, images_rendered, in_flight,
+    install, job_failed, job_finished, lora_pool_bytes, lora_set, out_of_memory, queue_wait, render_time, reserved, session_rebuilt, size_switch,
     upload_time,
 };
 pub use self::server::{TelemetryServer, serve};

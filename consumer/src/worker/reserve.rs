@@ -208,7 +208,12 @@ impl Reserve {
     /// Deals one slot's group of at most `per_slot` jobs, its lead first (none when nothing
     /// waiting can start), taking its room from the round's.
     pub fn deal(&mut self, per_slot: usize, round: &mut Round) -> Vec<Kept> {
+        let size = |affinity: &Affinity| affinity.last.as_ref().map(|last| (last.width, last.height));
+        let before = size(&self.affinity);
         let taken = deal_from(&mut self.waiting, |waiting| &mut waiting.candidate, per_slot, &mut self.clock, &mut self.affinity, round);
+        if before.is_some() && size(&self.affinity) != before {
+            telemetry::size_switch();
+        }
         let mut group: Vec<Kept> = taken.into_iter().map(|waiting| waiting.kept).collect();
         for kept in &mut group {
             // The wait a result reports is up to its render: in the stream and in this reserve.

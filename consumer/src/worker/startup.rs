@@ -47,6 +47,7 @@ pub async fn prepare(config: &WorkerConfig) -> Result<Ready, WorkerError> {
     let resident = after.resident_since(&before);
     let meter = Arc::new(PeakMeter::new(probe.clone()).map_err(|e| WorkerError::start("measure the baseline", e))?);
     let loaded = pipeline.info();
+    let times = pipeline.load_times();
     info!(
         model = %loaded.name,
         device = %after.device,
@@ -57,6 +58,10 @@ pub async fn prepare(config: &WorkerConfig) -> Result<Ready, WorkerError> {
         text_encoders_on_cpu = loaded.text_encoders_on_cpu,
         warmed_run_threads = pipeline.run_thread_names().len(),
         load_s = started.elapsed().as_secs_f64(),
+        text_encoders_s = times.text_s,
+        unet_s = times.unet_s,
+        vae_decoder_s = times.vae_s,
+        warm_s = times.warm_s,
         "models loaded"
     );
 
