@@ -100,7 +100,8 @@ pub struct WorkerState {
     #[schemars(with = "Vec<String>")]
     pub admits: Vec<MemoryClass>,
     pub gpu: GpuMemory,
-    /// Jobs it holds now.
+    /// Jobs it holds now: fetched and not settled (waiting for a render slot, rendering, or
+    /// committing). 0: idle.
     pub in_flight: u32,
     /// Whether it is taking jobs (false while it starts, drains or stopped fetching).
     pub taking_jobs: bool,

@@ -1,6 +1,7 @@
 //! The reserve (consumer/src/worker/reserve.rs) in a real worker: jobs fetched ahead of the free
 //! slot give each render batch partners on a queue of mixed sizes, wait without the server
-//! redelivering them, and go back to the stream at once when the worker stops.
+//! redelivering them, go back to the stream at once when the worker stops, and at the end of a
+//! queue go to another worker that is idle (worker/tail.rs).
 
 use std::time::{Duration, Instant};
 
@@ -72,8 +73,8 @@ async fn on_a_mixed_queue_the_reserve_deals_each_render_a_fuller_batch() {
     assert!(with + 3 <= without, "{seen:?}");
 }
 
-/// Twelve renders of 256x256 at 30 steps queued on a server whose `ack_wait` is given, then a
-/// worker (`id`) that renders them two at a time with six more fetched ahead.
+/// `jobs` renders of 256x256 at 30 steps queued on a server whose `ack_wait` is given, then a
+/// worker (`id`) that renders them two at a time with `lookahead` more fetched ahead.
 struct Queued {
     _server: NatsServer,
     js: async_nats::jetstream::Context,
@@ -82,21 +83,21 @@ struct Queued {
     worker: Worker,
 }
 
-async fn twelve_queued(ack_wait: Duration, id: &str) -> Queued {
+async fn queued(ack_wait: Duration, id: &str, jobs: usize, lookahead: usize) -> Queued {
     let server = NatsServer::start();
     let js = jetstream_with(&server.url(), &Topology { ack_wait, ..Topology::default() }).await;
     let store = tempfile::tempdir().unwrap();
-    let shots: Vec<_> = (0..12).map(|i| shot(Priority::P1, job(&format!("{id}-{i:02}"), "board", (256, 256), 30, 1))).collect();
+    let shots: Vec<_> = (0..jobs).map(|i| shot(Priority::P1, job(&format!("{id}-{i:02}"), "board", (256, 256), 30, 1))).collect();
     submit(&js, &shots).await;
     let mut spec = WorkerSpec::new(id, store.path());
-    spec.top = "batch_jobs = 2\nlookahead = 6".into();
+    spec.top = format!("batch_jobs = 2\nlookahead = {lookahead}");
     let worker = Worker::start(&server.url(), spec);
     Queued { _server: server, js, store, shots, worker }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn jobs_waiting_in_the_reserve_are_kept_alive_past_ack_wait() {
-    let Queued { _server, js, store: _store, shots, worker } = twelve_queued(Duration::from_secs(2), "patient").await;
+    let Queued { _server, js, store: _store, shots, worker } = queued(Duration::from_secs(2), "patient", 12, 6).await;
     let done = results(&outcomes(&js, &shots, Duration::from_secs(240)).await);
     for result in &done {
         assert_eq!(result.attempt, 1, "{} was redelivered while it waited:\n{}", result.job_id, worker.log());
@@ -112,7 +113,7 @@ async fn jobs_waiting_in_the_reserve_are_kept_alive_past_ack_wait() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stopping_worker_gives_its_reserve_back_at_once() {
     // Jobs left to ack_wait would come back after two minutes: the successor must be faster.
-    let Queued { _server: server, js, store, shots, worker: mut leaving } = twelve_queued(Duration::from_secs(120), "leaving").await;
+    let Queued { _server: server, js, store, shots, worker: mut leaving } = queued(Duration::from_secs(120), "leaving", 12, 6).await;
     let deadline = Instant::now() + Duration::from_secs(60);
     while gauge(&leaving.metrics(), "shotfleet_reserved_jobs") < 4.0 {
         assert!(Instant::now() < deadline, "the reserve never held four jobs:\n{}", leaving.log());
@@ -129,6 +130,33 @@ async fn a_stopping_worker_gives_its_reserve_back_at_once() {
     let given_back = done.iter().filter(|r| r.worker == "successor" && r.attempt == 2).count();
     assert!(given_back >= 4, "the reserve's four jobs or more went to the successor: {done:?}");
     assert!(done.iter().all(|r| r.attempt <= 2), "{done:?}");
+    for result in &done {
+        check_store(store.path(), result);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn at_the_end_of_a_queue_what_the_reserve_holds_beyond_its_next_group_goes_to_an_idle_worker() {
+    // Twenty renders of 256x256 at 30 steps (a second or so for two here); the first worker
+    // takes two at a time and sixteen ahead: after its first render it holds all eighteen left,
+    // and the queue is drained.
+    let Queued { _server: server, js, store, shots, worker: first } = queued(Duration::from_secs(120), "tail", 20, 16).await;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while gauge(&first.metrics(), "shotfleet_reserved_jobs") < 12.0 {
+        assert!(Instant::now() < deadline, "the reserve never held twelve jobs:\n{}", first.log());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // A second worker joins a drained queue: only the first's give-back brings it work.
+    let _second = Worker::start(&server.url(), WorkerSpec::new("second", store.path()));
+    let done = results(&outcomes(&js, &shots, Duration::from_secs(180)).await);
+    let given = done.iter().filter(|r| r.worker == "second").count();
+    println!("the idle worker rendered {given} of the 20 jobs, each on its second delivery");
+    // It and the first share what was given back (the first fetches a job each free slot too):
+    // 4 and 5 of 20 in two runs here.
+    assert!(given >= 2, "{done:?}\n{}", first.log());
+    assert!(done.iter().filter(|r| r.worker == "second").all(|r| r.attempt == 2), "{done:?}");
+    assert!(done.iter().all(|r| r.attempt <= 2), "{done:?}");
+    assert!(first.log().contains("another worker is idle: giving back"), "{}", first.log());
     for result in &done {
         check_store(store.path(), result);
     }

@@ -4,6 +4,7 @@
 //! apart one call site at a time. See the table in the [module docs](super).
 
 use std::sync::OnceLock;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use metrics::{Unit, counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram};
@@ -266,11 +267,33 @@ pub fn session_rebuilt() {
     counter!(SESSION_REBUILDS_TOTAL).increment(1);
 }
 
+/// Jobs in flight in this process (the gauge's value, which the recorder does not read back).
+static IN_FLIGHT: AtomicUsize = AtomicUsize::new(0);
+
 /// Counts a job in flight until the guard drops, so every exit path (ack, nak, panic unwinding)
 /// brings the gauge back down.
 #[must_use = "the job counts as in flight only while the guard lives"]
-pub fn in_flight() -> Counted {
-    Counted::new(IN_FLIGHT_JOBS)
+pub fn in_flight() -> InFlight {
+    IN_FLIGHT.fetch_add(1, Ordering::Relaxed);
+    InFlight { _gauge: Counted::new(IN_FLIGHT_JOBS) }
+}
+
+/// How many jobs this worker holds now, fetched and not settled: reserved, rendering or
+/// committing (`shotfleet_in_flight_jobs`).
+pub fn jobs_in_flight() -> usize {
+    IN_FLIGHT.load(Ordering::Relaxed)
+}
+
+/// See [`in_flight`].
+#[derive(Debug)]
+pub struct InFlight {
+    _gauge: Counted,
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        IN_FLIGHT.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 /// Counts a job waiting in the reserve for a render slot until the guard drops; it counts as in
@@ -301,5 +324,5 @@ impl Drop for Counted {
 #[derive(Debug)]
 pub struct Reserved {
     _counted: Counted,
-    _in_flight: Counted,
+    _in_flight: InFlight,
 }

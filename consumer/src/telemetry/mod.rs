@@ -31,7 +31,7 @@
 //! | `shotfleet_gpu_utilization_ratio` | gauge | | busy fraction, 0..1 |
 //! | `shotfleet_estimate_error_ratio` | histogram | `start` | (observed - estimated) / estimated peak memory per job (at `concurrency = 1`); `start="cold"`: the render began from shrunk arenas and the peak is its own, mass above 0 means the estimate runs low; `start="warm"`: the peak includes what earlier renders left cached, an upper bound |
 //! | `shotfleet_in_flight_jobs` | gauge | | jobs fetched and not yet settled |
-//! | `shotfleet_reserved_jobs` | gauge | | of those, jobs fetched ahead of a free render slot and waiting in the reserve for batch partners (`lookahead`) |
+//! | `shotfleet_reserved_jobs` | gauge | | of those, jobs fetched ahead of a free render slot and waiting in the reserve (`lookahead`: batch partners, jobs like the last render's) |
 //! | `shotfleet_class_servable` | gauge | `class`, `reason` | 1 for a class this worker serves, 0 for one it does not, as calibrated at start. `reason`: `fits` (one image of its largest size fits the idle budget), `not_configured` (not in `classes`), `out_of_memory` (a probe at or below that size ran out of memory at start: the card's ceiling), `over_budget` (planned over the room beside the models) |
 //! | `shotfleet_images_total` | counter | `priority`, `class` | images of the jobs this worker committed |
 //! | `shotfleet_failures_total` | counter | `reason` | jobs this worker failed (failed record written): `invalid`, `oom`, `attempts`, `max_deliveries`, `driver` |
@@ -57,10 +57,10 @@ use serde::Deserialize;
 pub use self::health::Health;
 pub use self::metrics::{
     BUDGET_FREE_BYTES, BUDGET_USED_BYTES, CLASS_SERVABLE, ESTIMATE_ERROR_RATIO, GPU_MEMORY_TOTAL_BYTES, GPU_MEMORY_USED_BYTES,
-    GPU_UTILIZATION_RATIO, IN_FLIGHT_JOBS, Counted, JOBS_TOTAL, JobOutcome, OUT_OF_MEMORY_TOTAL, QUEUE_WAIT_SECONDS,
+    GPU_UTILIZATION_RATIO, IN_FLIGHT_JOBS, Counted, InFlight, JOBS_TOTAL, JobOutcome, OUT_OF_MEMORY_TOTAL, QUEUE_WAIT_SECONDS,
     RENDER_SECONDS, SESSION_REBUILDS_TOTAL, UPLOAD_SECONDS, BACKLOG_JOBS, FAILURES_TOTAL, IMAGES_TOTAL, LORA_POOL_BYTES,
     LORA_SWITCHES_TOTAL, RESERVED_JOBS, Reserved, SIZE_SWITCHES_TOTAL, backlog, budget, class_servable, estimate_error, gpu_memory, gpu_utilization, images_rendered, in_flight,
-    install, job_failed, job_finished, lora_pool_bytes, lora_set, out_of_memory, queue_wait, render_time, reserved, session_rebuilt, size_switch,
+    install, jobs_in_flight, job_failed, job_finished, lora_pool_bytes, lora_set, out_of_memory, queue_wait, render_time, reserved, session_rebuilt, size_switch,
     upload_time,
 };
 pub use self::server::{TelemetryServer, serve};

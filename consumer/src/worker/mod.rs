@@ -48,6 +48,7 @@ pub mod run_thread;
 pub mod settle;
 pub mod serving;
 pub mod startup;
+pub mod tail;
 pub mod unserved;
 pub mod watch;
 
@@ -410,6 +411,7 @@ async fn fetch_loop(shared: &Arc<Shared>, consumers: &fetch::Consumers, tracker:
         idle: shared.config.idle_poll,
         shrunk_for_room: false,
         routed_at: None,
+        tail: tail::Tail::default(),
     };
     while !shared.stop.is_cancelled() {
         let routed = fetching.route().await;
@@ -424,6 +426,7 @@ async fn fetch_loop(shared: &Arc<Shared>, consumers: &fetch::Consumers, tracker:
             Ok(started) => started,
             Err(Stop) => break,
         };
+        fetching.tail.look(shared, &mut fetching.reserve).await;
         if routed || started {
             fetching.idle = shared.config.idle_poll;
         } else if fetching.wait().await.is_err() {
@@ -470,6 +473,8 @@ struct Fetching<'a> {
     shrunk_for_room: bool,
     /// When the `auto` subjects were last found empty (`None`: look on the next round).
     routed_at: Option<Instant>,
+    /// The end of a queue: what the reserve holds beyond its next groups goes to an idle worker.
+    tail: tail::Tail,
 }
 
 impl Fetching<'_> {

@@ -36,8 +36,8 @@
 //!   keep-alive goes on with it into the slot (`Kept`), so no gap opens at the hand-over.
 //! - **The fleet.** The lookahead is fetched only while the server reported at least
 //!   `lookahead` more jobs waiting on a consumer fetched from: jobs of a short queue are not
-//!   held away from idle workers. At the end of a queue a worker holds about `batch_jobs` per
-//!   slot plus `lookahead` jobs that others could have taken.
+//!   held away from idle workers. At the end of a queue (`drained`) what waits beyond each
+//!   slot's next group goes to an idle worker that asks for it (tail.rs).
 //! - **The card.** Looked at in each round with a free slot: a job whose class the card cannot
 //!   start (not in the round's admission) goes back (nak) at once when the worker is idle after
 //!   its one arena shrink (another process took the memory); else once it has been found so
@@ -138,6 +138,13 @@ impl Round {
         Self { order, now: Instant::now(), room: admission.fits.iter().copied().collect() }
     }
 
+    /// A round in strict priority order with room for every job: what would be dealt next
+    /// whatever the card holds.
+    fn unbounded() -> Self {
+        let room = MemoryClass::ALL.iter().map(|&class| (class, u32::MAX)).collect();
+        Self { order: Priority::ALL.to_vec(), now: Instant::now(), room }
+    }
+
     fn fits(&self, candidate: &Candidate) -> bool {
         candidate.class.is_some_and(|class| self.room.get(&class).is_some_and(|&n| n > 0))
     }
@@ -165,6 +172,9 @@ pub(crate) struct Reserve {
     lookahead: usize,
     /// Whether the last fetch saw at least `lookahead` jobs waiting behind it.
     deep: bool,
+    /// Whether the last fetch saw none behind it (or brought none): the queue is drained for
+    /// every worker, and what waits here is all there is.
+    drained: bool,
     keep_alive: Option<Duration>,
     clock: Clock,
     affinity: Affinity,
@@ -178,7 +188,7 @@ impl Reserve {
     /// group dealt (0: never).
     pub fn new(lookahead: usize, affinity_passes: u32, keep_alive: Option<Duration>, priorities: &PriorityConfig, hold_limit: Duration) -> Self {
         let affinity = Affinity { last: None, passes: affinity_passes };
-        Self { waiting: Vec::new(), lookahead, deep: false, keep_alive, clock: Clock::new(priorities), affinity, hold_limit }
+        Self { waiting: Vec::new(), lookahead, deep: false, drained: false, keep_alive, clock: Clock::new(priorities), affinity, hold_limit }
     }
 
     /// How many jobs to fetch in `round` for `free` slots of `per_slot` jobs each: up to the
@@ -191,12 +201,9 @@ impl Reserve {
 
     /// Adds what a fetch brought, and learns from it whether the queue is deep.
     pub fn add(&mut self, fetched: Vec<Delivery>) {
-        if fetched.is_empty() {
-            self.deep = false;
-            return;
-        }
         let behind = fetched.iter().map(|delivery| delivery.pending).max().unwrap_or(0);
         self.deep = self.lookahead > 0 && behind >= self.lookahead as u64;
+        self.drained = behind == 0;
         let now = Instant::now();
         for delivery in fetched {
             let candidate = Candidate::of(&delivery, now);
@@ -245,6 +252,28 @@ impl Reserve {
         }
     }
 
+    /// Whether the queue behind this reserve is drained and it holds more than the next group of
+    /// each of `slots` slots of `per_slot` jobs: what another worker could render now.
+    pub fn holds_beyond_next_groups(&self, slots: usize, per_slot: usize) -> bool {
+        self.drained && self.waiting.len() > slots * per_slot.max(1) && !self.beyond_next_groups(slots, per_slot).is_empty()
+    }
+
+    /// Gives back to the stream what waits beyond the next group of each of `slots` slots (as
+    /// `deal` would pick them now, with room for all), of the classes `wanted` names: an idle
+    /// worker elsewhere admits them, and fetches them at its next poll. How many.
+    pub async fn give_back_beyond_next_groups(&mut self, slots: usize, per_slot: usize, wanted: impl Fn(MemoryClass) -> bool) -> usize {
+        let beyond = self.beyond_next_groups(slots, per_slot);
+        let back: Vec<usize> = beyond.into_iter().filter(|&i| self.waiting[i].candidate.class.is_some_and(&wanted)).collect();
+        let count = back.len();
+        give_back(take_picked(&mut self.waiting, &back)).await;
+        count
+    }
+
+    fn beyond_next_groups(&self, slots: usize, per_slot: usize) -> Vec<usize> {
+        let candidates: Vec<&Candidate> = self.waiting.iter().map(|waiting| &waiting.candidate).collect();
+        beyond_next_groups(&candidates, slots, per_slot, &self.clock, &self.affinity)
+    }
+
     /// Gives every waiting job back to the stream at once, for any worker to take: the worker
     /// stops.
     pub async fn give_back_all(&mut self) {
@@ -254,6 +283,24 @@ impl Reserve {
         give_back(self.waiting.drain(..).collect()).await;
         self.deep = false;
     }
+}
+
+/// Indices into `waiting` of the jobs left after `slots` groups of `per_slot` dealt now in
+/// strict priority order, with room for every job.
+fn beyond_next_groups(waiting: &[&Candidate], slots: usize, per_slot: usize, clock: &Clock, affinity: &Affinity) -> Vec<usize> {
+    let mut left: Vec<usize> = (0..waiting.len()).collect();
+    let mut round = Round::unbounded();
+    let now = round.now;
+    let mut affinity = affinity.clone();
+    for _ in 0..slots {
+        let candidates: Vec<&Candidate> = left.iter().map(|&i| waiting[i]).collect();
+        let picked = pick_group(&candidates, per_slot, |c| clock.overdue(c, now), &affinity, &mut round);
+        let Some(&lead) = picked.group.first() else { break };
+        affinity.last = candidates[lead].batch.clone().or(affinity.last);
+        let dealt: Vec<usize> = picked.group.iter().map(|&at| left[at]).collect();
+        left.retain(|i| !dealt.contains(i));
+    }
+    left
 }
 
 /// See `Reserve::wanted`; `lookahead` is 0 while the queue is not deep, `room` the jobs the
@@ -308,6 +355,7 @@ impl Clock {
 
 /// What the last group dealt here shared, and how often a job may be passed over for a lead
 /// more like it.
+#[derive(Clone)]
 struct Affinity {
     last: Option<BatchKey>,
     passes: u32,
@@ -683,6 +731,21 @@ mod tests {
         let dealt = deal_alike(&mut waiting, 1, 1, &mut clock(), &mut alike, &mut round(&STRICT, 8, now));
         assert_eq!(dealt, [vec![3]]);
         assert_eq!(waiting.iter().map(|c| c.passed).collect::<Vec<_>>(), [0, 1]);
+    }
+
+    #[test]
+    fn beyond_the_next_groups_is_what_the_slots_would_not_take_next() {
+        use Priority::{P0, P1};
+        let now = later();
+        let waiting = [job(1, P1, 1024, now), job(2, P1, 896, now), job(3, P0, 640, now), job(4, P1, 1024, now), job(5, P1, 896, now), job(6, P1, 1152, now)];
+        let refs: Vec<&Candidate> = waiting.iter().collect();
+        let beyond = |slots, per_slot| beyond_next_groups(&refs, slots, per_slot, &clock(), &affinity(2, None));
+        // Two slots of two: the p0 first (alone), then the 1024 pair; the 896 pair and the 1152 wait.
+        assert_eq!(beyond(2, 2), [1, 4, 5]);
+        // Three slots: the 896 pair as well.
+        assert_eq!(beyond(3, 2), [5]);
+        assert!(beyond(4, 2).is_empty());
+        assert_eq!(beyond(0, 2).len(), 6);
     }
 
     #[test]
