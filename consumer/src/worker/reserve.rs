@@ -11,14 +11,13 @@
 //!   dealt here: one jump per bound, as the scheduler's), the most overdue first; else by
 //!   priority in the round's order (the scheduler's, taken before the fetch), then fetch order;
 //! - unless **affinity** (`affinity_passes`) finds a job of that same priority more like the
-//!   last group dealt: the same batch, else the same LoRA set, else the same size, with a group
+//!   last group dealt: the same batch, else the last LoRA set, else the same size, with a group
 //!   no smaller. It leads instead, and the job it passed over counts a pass; one passed over
 //!   `affinity_passes` times leads. So a batch, set or size keeps the card for at most that many
 //!   more groups while an older job of another waits first in line. Renders in a row then keep
-//!   what the card has warm: a set on the device (placed again from host memory 0.7 s, from the
-//!   store seconds) and the convolution plans of a size (ONNX Runtime's CUDA `Conv` plans again
-//!   at every change of shape: ~1.15 s a VAE decode, deploy/gpu/RESULTS.md, lease of 2026-12-04,
-//!   third);
+//!   what the card has warm: a LoRA set on the device and the convolution plans of a size
+//!   (ONNX Runtime's CUDA `Conv` plans again at every change of shape; what either switch costs
+//!   on the H200: deploy/gpu/RESULTS.md);
 //! - its **partners**, up to `batch_jobs - 1`, wait with the same LoRAs, size, steps and
 //!   guidance, in the same order (never a second delivery of a job already in the group);
 //! - each job counts against its class's room in the round's admission: a job whose class does
@@ -90,7 +89,8 @@ pub(crate) struct Candidate {
     pub job: Option<String>,
     /// When it was fetched: its priority's bound counts from there.
     pub since: Instant,
-    /// How many groups were dealt ahead of it for affinity.
+    /// How many times a group more like the last one was dealt ahead of it while it was first
+    /// in line (affinity).
     pub passed: u32,
 }
 
@@ -187,7 +187,7 @@ impl Reserve {
     /// `affinity_passes`: how many times a job may be passed over for one more like the last
     /// group dealt (0: never).
     pub fn new(lookahead: usize, affinity_passes: u32, keep_alive: Option<Duration>, priorities: &PriorityConfig, hold_limit: Duration) -> Self {
-        let affinity = Affinity { last: None, passes: affinity_passes };
+        let affinity = Affinity::new(affinity_passes);
         Self { waiting: Vec::new(), lookahead, deep: false, drained: false, keep_alive, clock: Clock::new(priorities), affinity, hold_limit }
     }
 
@@ -215,10 +215,9 @@ impl Reserve {
     /// Deals one slot's group of at most `per_slot` jobs, its lead first (none when nothing
     /// waiting can start), taking its room from the round's.
     pub fn deal(&mut self, per_slot: usize, round: &mut Round) -> Vec<Kept> {
-        let size = |affinity: &Affinity| affinity.last.as_ref().map(|last| (last.width, last.height));
-        let before = size(&self.affinity);
+        let before = self.affinity.size();
         let taken = deal_from(&mut self.waiting, |waiting| &mut waiting.candidate, per_slot, &mut self.clock, &mut self.affinity, round);
-        if before.is_some() && size(&self.affinity) != before {
+        if before.is_some() && self.affinity.size() != before {
             telemetry::size_switch();
         }
         let mut group: Vec<Kept> = taken.into_iter().map(|waiting| waiting.kept).collect();
@@ -296,7 +295,7 @@ fn beyond_next_groups(waiting: &[&Candidate], slots: usize, per_slot: usize, clo
         let candidates: Vec<&Candidate> = left.iter().map(|&i| waiting[i]).collect();
         let picked = pick_group(&candidates, per_slot, |c| clock.overdue(c, now), &affinity, &mut round);
         let Some(&lead) = picked.group.first() else { break };
-        affinity.last = candidates[lead].batch.clone().or(affinity.last);
+        affinity.dealt(candidates[lead], picked.group.iter().filter_map(|&at| candidates[at].job.clone()).collect());
         let dealt: Vec<usize> = picked.group.iter().map(|&at| left[at]).collect();
         left.retain(|i| !dealt.contains(i));
     }
@@ -353,29 +352,55 @@ impl Clock {
     }
 }
 
-/// What the last group dealt here shared, and how often a job may be passed over for a lead
-/// more like it.
-#[derive(Clone)]
+/// What the card has warm from the groups dealt here, and how often a job may be passed over
+/// for a lead more like it.
+#[derive(Clone, Default)]
 struct Affinity {
-    last: Option<BatchKey>,
+    /// The last group's batch.
+    batch: Option<BatchKey>,
+    /// The last LoRA set dealt (not none: a group without LoRAs leaves the set on the device).
+    set: Option<Vec<(String, u32)>>,
+    /// The last group's jobs (`project/job_id`): another delivery of one of them is not alike.
+    jobs: Vec<String>,
     passes: u32,
 }
 
 impl Affinity {
-    /// How like the last group `candidate` is, best first: the same batch, the same LoRA set
-    /// (not none: jobs without LoRAs share no set to keep), the same size; `None`: unlike it,
-    /// or affinity is off.
+    fn new(passes: u32) -> Self {
+        Self { passes, ..Self::default() }
+    }
+
+    /// The last group's size.
+    fn size(&self) -> Option<(u32, u32)> {
+        self.batch.as_ref().map(|batch| (batch.width, batch.height))
+    }
+
+    /// How like what the card has warm `candidate` is, best first: the last group's batch, the
+    /// last LoRA set, the last group's size; `None`: unlike it (or a second delivery of a job of
+    /// the last group, which is no reason to jump the line).
     fn likeness(&self, candidate: &Candidate) -> Option<u8> {
-        let (last, batch) = (self.last.as_ref().filter(|_| self.passes > 0)?, candidate.batch.as_ref()?);
-        if batch == last {
+        let batch = candidate.batch.as_ref()?;
+        if candidate.job.as_ref().is_some_and(|job| self.jobs.contains(job)) {
+            None
+        } else if self.batch.as_ref() == Some(batch) {
             Some(0)
-        } else if !batch.set.is_empty() && batch.set == last.set {
+        } else if !batch.set.is_empty() && self.set.as_ref() == Some(&batch.set) {
             Some(1)
-        } else if (batch.width, batch.height) == (last.width, last.height) {
+        } else if self.size() == Some((batch.width, batch.height)) {
             Some(2)
         } else {
             None
         }
+    }
+
+    /// Remembers a group dealt: `lead` and the jobs of its group.
+    fn dealt(&mut self, lead: &Candidate, jobs: Vec<String>) {
+        let Some(batch) = lead.batch.clone() else { return };
+        if !batch.set.is_empty() {
+            self.set = Some(batch.set.clone());
+        }
+        self.batch = Some(batch);
+        self.jobs = jobs;
     }
 }
 
@@ -402,8 +427,9 @@ fn deal_from<T>(
     for item in &mut taken {
         clock.last_dealt[candidate(item).priority.rank()] = Some(now);
     }
-    if let Some(lead) = taken.first_mut().and_then(|lead| candidate(lead).batch.clone()) {
-        affinity.last = Some(lead);
+    let jobs = taken.iter_mut().filter_map(|item| candidate(item).job.clone()).collect();
+    if let Some(lead) = taken.first_mut() {
+        affinity.dealt(candidate(lead), jobs);
     }
     taken
 }
@@ -451,34 +477,40 @@ fn pick_group(
     };
     let plain = queue[first];
     let plain_group = group_for(plain, &queue, waiting, per_slot, &mut round.clone());
-    let plain_len = plain_group.len();
-    let mut lead = (plain, plain_group);
-    if overdue[plain].is_none() && waiting[plain].passed < affinity.passes {
-        // Later jobs of the plain lead's priority (none overdue: they sort first) more like the
-        // last group than it; the most alike whose group is no smaller, the first of them.
-        let mut best_likeness = affinity.likeness(waiting[plain]);
-        for &i in &queue[first + 1..] {
-            let candidate = waiting[i];
-            if candidate.priority != waiting[plain].priority {
-                break;
-            }
-            let Some(likeness) = affinity.likeness(candidate) else { continue };
-            if best_likeness.is_some_and(|best| best <= likeness) || !round.fits(candidate) {
-                continue;
-            }
-            let group = group_for(i, &queue, waiting, per_slot, &mut round.clone());
-            if group.len() >= plain_len {
-                best_likeness = Some(likeness);
-                lead = (i, group);
-            }
-        }
-    }
-    let (lead, group) = lead;
+    let alike = if overdue[plain].is_none() && waiting[plain].passed < affinity.passes {
+        alike_lead(&queue[first..], plain_group.len(), waiting, per_slot, affinity, round)
+    } else {
+        None
+    };
+    let (group, passed) = match alike {
+        // A lead more alike has another batch than the plain lead's: the plain lead is not in its group.
+        Some(group) => (group, Some(plain)),
+        None => (plain_group, None),
+    };
     for &i in &group {
         round.take_room(waiting[i]);
     }
-    // A lead more alike has another batch than the plain lead's: the plain lead is not in its group.
-    Picked { group, passed: (lead != plain).then_some(plain) }
+    Picked { group, passed }
+}
+
+/// The group of the job after the plain lead (`line[0]`), of its priority, most like what the
+/// card has warm and more than the plain lead, whose group is no smaller than `plain_len`; the
+/// first of those in line. `None`: the plain lead leads.
+fn alike_lead(line: &[usize], plain_len: usize, waiting: &[&Candidate], per_slot: usize, affinity: &Affinity, round: &Round) -> Option<Vec<usize>> {
+    let plain = waiting[line[0]];
+    let mut best = (affinity.likeness(plain), None);
+    // Overdue jobs sort first, so none after a plain lead that is not.
+    for &i in line[1..].iter().take_while(|&&i| waiting[i].priority == plain.priority) {
+        let Some(likeness) = affinity.likeness(waiting[i]) else { continue };
+        if best.0.is_some_and(|best| best <= likeness) || !round.fits(waiting[i]) {
+            continue;
+        }
+        let group = group_for(i, line, waiting, per_slot, &mut round.clone());
+        if group.len() >= plain_len {
+            best = (Some(likeness), Some(group));
+        }
+    }
+    best.1
 }
 
 /// The group `lead` would lead: itself, then up to `per_slot - 1` from `queue` (in its order)
@@ -551,7 +583,11 @@ mod tests {
 
     /// Affinity after a group of `last` (a square size and a LoRA set; `None`: no group yet).
     fn affinity(passes: u32, last: Option<(u32, &str)>) -> Affinity {
-        Affinity { last: last.map(|(size, set)| key(size, set)), passes }
+        let mut affinity = Affinity::new(passes);
+        if let Some((size, set)) = last {
+            affinity.dealt(&with_set(0, size, set, Instant::now()), Vec::new());
+        }
+        affinity
     }
 
     /// The batch of a square `size` at 30 steps, guidance 5, with the LoRA `set` at 1.0 ("": none).
@@ -686,6 +722,41 @@ mod tests {
     }
 
     #[test]
+    fn a_set_stays_warm_across_a_group_without_loras_and_no_set_is_not_a_set() {
+        let now = later();
+        // kai at 640, then a group without LoRAs at 896: kai is still on the device.
+        let mut alike = affinity(2, Some((640, "kai")));
+        alike.dealt(&with_set(0, 896, "", now), Vec::new());
+        let mut waiting = vec![with_set(1, 896, "mei", now), with_set(2, 1024, "kai", now)];
+        assert_eq!(deal_alike(&mut waiting, 1, 1, &mut clock(), &mut alike, &mut round(&STRICT, 8, now)), [vec![2]]);
+        // After jobs without LoRAs, one without at another size is not alike.
+        let mut waiting = vec![with_set(1, 896, "kai", now), with_set(2, 1024, "", now)];
+        let dealt = deal_alike(&mut waiting, 1, 1, &mut clock(), &mut affinity(2, Some((640, ""))), &mut round(&STRICT, 8, now));
+        assert_eq!(dealt, [vec![1]]);
+    }
+
+    #[test]
+    fn another_delivery_of_a_job_just_dealt_does_not_jump_the_line() {
+        use Priority::P1;
+        let now = later();
+        let mut alike = affinity(2, None);
+        alike.dealt(&job(7, P1, 1024, now), vec!["board/7".into()]);
+        let mut waiting = vec![job(1, P1, 896, now), job(7, P1, 1024, now)];
+        assert_eq!(deal_alike(&mut waiting, 2, 1, &mut clock(), &mut alike, &mut round(&STRICT, 8, now)), [vec![1], vec![7]]);
+    }
+
+    #[test]
+    fn an_alike_group_takes_only_the_room_there_is() {
+        use Priority::P1;
+        let now = later();
+        let mut waiting = vec![job(1, P1, 896, now), job(2, P1, 1024, now), job(3, P1, 1024, now), job(4, P1, 1024, now)];
+        let mut alike = affinity(2, Some((1024, "")));
+        // Room for two: the 1024 pair leads (no smaller than the 896 alone), the rest waits.
+        assert_eq!(deal_alike(&mut waiting, 2, 4, &mut clock(), &mut alike, &mut round(&STRICT, 2, now)), [vec![2, 3]]);
+        assert_eq!(waiting.len(), 2);
+    }
+
+    #[test]
     fn a_job_is_passed_over_for_affinity_no_more_than_its_passes() {
         use Priority::P1;
         let now = later();
@@ -718,6 +789,9 @@ mod tests {
         assert_eq!(deal_alike(&mut waiting.clone(), 2, 1, &mut clock(), &mut alike(), &mut round(&STRICT, 8, now)), [vec![2], vec![1]]);
         // A p2 past its bound leads before a p0 like the last group.
         let waiting = vec![waited(1, P2, 896, 61, now), job(2, P0, 1024, now)];
+        assert_eq!(deal_alike(&mut waiting.clone(), 2, 1, &mut clock(), &mut alike(), &mut round(&STRICT, 8, now)), [vec![1], vec![2]]);
+        // And a p1 past its bound before a p1 like the last group.
+        let waiting = vec![waited(1, P1, 896, 25, now), job(2, P1, 1024, now)];
         assert_eq!(deal_alike(&mut waiting.clone(), 2, 1, &mut clock(), &mut alike(), &mut round(&STRICT, 8, now)), [vec![1], vec![2]]);
     }
 
