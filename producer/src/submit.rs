@@ -1,4 +1,4 @@
-//! Publishing shots: one message per job, `Nats-Msg-Id = job_id`, PubAcks awaited pipelined.
+//! Publishing shots: one message per job, `Nats-Msg-Id = <project>/<job_id>`, PubAcks awaited pipelined.
 //!
 //! Publishes go out without waiting for each acknowledgement; at most `max_in_flight` are
 //! unacknowledged at once, which keeps the producer near the bare client's rate while bounding
@@ -64,7 +64,7 @@ pub fn message(shot: &Shot, content_type: ContentType) -> (String, PublishMessag
     headers.insert(encoding::HEADER, content_type.as_str());
     let publish = PublishMessage::build()
         .headers(headers)
-        .message_id(&job.job_id)
+        .message_id(subject::msg_id::job(&job.project, &job.job_id))
         .payload(Bytes::from(encoding::encode(content_type, job)));
     (subject, publish)
 }

@@ -134,10 +134,26 @@ async fn jobs_land_on_their_priority_and_class_subjects_with_msg_ids() {
     let stream = js.get_stream(subject::JOBS_STREAM).await.unwrap();
     let message = stream.get_last_raw_message_by_subject("shots.p0.xs.moth").await.unwrap();
     let headers = message.headers;
-    assert_eq!(headers.get("Nats-Msg-Id").unwrap().as_str(), "moth-ep03-s01");
+    assert_eq!(headers.get("Nats-Msg-Id").unwrap().as_str(), "moth/moth-ep03-s01");
     assert_eq!(headers.get("Content-Type").unwrap().as_str(), "application/msgpack");
     let job = encoding::parse_job(Some("application/msgpack"), &message.payload, &Default::default()).unwrap();
     assert_eq!(job.shot_id, "s01");
+}
+
+#[tokio::test]
+async fn a_job_id_is_one_job_per_project() {
+    let server = NatsServer::start();
+    shotfleet(&server.url(), &["setup"]).await;
+    let dir = tempfile::tempdir().unwrap();
+    let line = |project: &str| format!(r#"{{"v":1,"job_id":"ep1-s1","project":"{project}","shot_id":"s1","prompt":"a boat","width":512,"height":512,"steps":4,"guidance":5,"seed":1}}"#);
+    for (project, queued) in [("acme", "queued 1 job(s)"), ("tide", "queued 1 job(s)"), ("acme", "queued 0 job(s)")] {
+        let file = dir.path().join(format!("{project}.jsonl"));
+        std::fs::write(&file, line(project) + "\n").unwrap();
+        let out = shotfleet(&server.url(), &["submit", file.to_str().unwrap()]).await;
+        assert!(text(&out).contains(queued), "{project}: {}", text(&out));
+    }
+    // The same id in two projects is two jobs; the same job again is a duplicate.
+    assert_eq!(jobs_in_stream(&server).await, 2);
 }
 
 #[tokio::test]

@@ -189,6 +189,11 @@ pub fn attempts_key(job_id: &str, stream_sequence: u64) -> String {
 /// Message ids (`Nats-Msg-Id`) beside the job's own id: one per kind of publish, so the
 /// server's duplicate window makes each publish idempotent.
 pub mod msg_id {
+    /// A job as submitted: `<project>/<job_id>`. Job ids are unique within a project, so two
+    /// projects' jobs of one id are two jobs (ids hold no `/`).
+    pub fn job(project: &str, job_id: &str) -> String {
+        format!("{project}/{job_id}")
+    }
     /// The outcome (result, failure, cancellation) that settles the job message at
     /// `stream_sequence`.
     pub fn outcome(job_id: &str, stream_sequence: u64) -> String {
@@ -196,16 +201,16 @@ pub mod msg_id {
     }
     /// A job's cancellation, claimed over the outcome at sequence `after` (0: none), so a
     /// later request of the job can be cancelled again inside the duplicate window.
-    pub fn cancel(job_id: &str, after: u64) -> String {
-        format!("{job_id}:cancel:{after}")
+    pub fn cancel(project: &str, job_id: &str, after: u64) -> String {
+        format!("{}:cancel:{after}", job(project, job_id))
     }
     /// A job re-published by a worker from `auto` (or a wrong class) to its class subject.
-    pub fn route(job_id: &str) -> String {
-        format!("{job_id}:route")
+    pub fn route(project: &str, job_id: &str) -> String {
+        format!("{}:route", job(project, job_id))
     }
     /// A job re-published one rung down the degrade ladder.
-    pub fn degrade(job_id: &str, level: u32) -> String {
-        format!("{job_id}:deg:{level}")
+    pub fn degrade(project: &str, job_id: &str, level: u32) -> String {
+        format!("{}:deg:{level}", job(project, job_id))
     }
     /// A failed record of the job message at `stream_sequence`.
     pub fn failed(job_id: &str, stream_sequence: u64) -> String {

@@ -50,9 +50,9 @@ async fn out_of_memory_goes_down_the_ladder_to_a_smaller_worker() {
     let log = big.log();
     assert!(log.contains("BFCArena::AllocateRawInternal"), "{log}");
     assert!(big.metrics().contains("outcome=\"degrade_republished\""), "{}", big.metrics());
-    // The degraded copy was published as `<job>:deg:1`.
+    // The degraded copy was published as `<project>/<job>:deg:1`.
     let mut headers = async_nats::HeaderMap::new();
-    headers.insert("Nats-Msg-Id", "oom-1:deg:1");
+    headers.insert("Nats-Msg-Id", "acme/oom-1:deg:1");
     let ack = js.publish_with_headers("shots.p1.xs.acme", headers, "{}".into()).await.unwrap().await.unwrap();
     assert!(ack.duplicate);
 }

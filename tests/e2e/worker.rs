@@ -73,11 +73,11 @@ async fn auto_and_wrong_class_jobs_are_routed_then_rendered() {
     let shots = vec![shot(Priority::P1, job("r-auto", "acme", (64, 64), 2, 1)), shot(Priority::P1, job("r-wrong", "acme", (64, 64), 2, 1))];
     let outcomes = outcomes(&js, &shots, Duration::from_secs(60)).await;
     assert_eq!(results(&outcomes).len(), 2);
-    // The routed copies carry `<job>:route` ids: publishing one again is a duplicate.
+    // The routed copies carry `<project>/<job>:route` ids: publishing one again is a duplicate.
     let mut headers = async_nats::HeaderMap::new();
-    headers.insert("Nats-Msg-Id", "r-auto:route");
+    headers.insert("Nats-Msg-Id", "acme/r-auto:route");
     let ack = js.publish_with_headers("shots.p1.xs.acme", headers, "{}".into()).await.unwrap().await.unwrap();
-    assert!(ack.duplicate, "the worker published the routed copy with Msg-Id r-auto:route");
+    assert!(ack.duplicate, "the worker published the routed copy with Msg-Id acme/r-auto:route");
 }
 
 #[tokio::test]

@@ -47,25 +47,25 @@ async def main(url: str) -> None:
     # JSON to the computed class subject.
     j = job("py-json-1", 1024, 1024, images=2, loras=[{"name": "watercolor.v1", "weight": 0.7}])
     subject = f"shots.p1.{memory_class(1024, 1024)}.pyshop"
-    await js.publish(subject, json.dumps(j).encode(), headers={"Nats-Msg-Id": j["job_id"], "Content-Type": "application/json"})
+    await js.publish(subject, json.dumps(j).encode(), headers={"Nats-Msg-Id": f"{j['project']}/{j['job_id']}", "Content-Type": "application/json"})
     sent.append((subject, j["job_id"]))
 
     # MessagePack (named fields) to the class subject, with an unknown field a newer producer might add.
     j = job("py-msgpack-1", 512, 768, negative_prompt="blurry", future_field={"x": 1})
     subject = f"shots.p0.{memory_class(512, 768)}.pyshop"
-    await js.publish(subject, msgpack.packb(j), headers={"Nats-Msg-Id": j["job_id"], "Content-Type": "application/msgpack"})
+    await js.publish(subject, msgpack.packb(j), headers={"Nats-Msg-Id": f"{j['project']}/{j['job_id']}", "Content-Type": "application/msgpack"})
     sent.append((subject, j["job_id"]))
 
     # A client that does not compute the class: `auto`, no Content-Type header (JSON).
     j = job("py-auto-1", 1536, 640, floor={"min_side": 512, "min_steps": 10})
     subject = "shots.p2.auto.pyshop"
-    await js.publish(subject, json.dumps(j).encode(), headers={"Nats-Msg-Id": j["job_id"]})
+    await js.publish(subject, json.dumps(j).encode(), headers={"Nats-Msg-Id": f"{j['project']}/{j['job_id']}"})
     sent.append((subject, j["job_id"]))
 
     # MessagePack to auto.
     j = job("py-auto-2", 768, 768)
     subject = "shots.p1.auto.pyshop"
-    await js.publish(subject, msgpack.packb(j), headers={"Nats-Msg-Id": j["job_id"], "Content-Type": "application/msgpack"})
+    await js.publish(subject, msgpack.packb(j), headers={"Nats-Msg-Id": f"{j['project']}/{j['job_id']}", "Content-Type": "application/msgpack"})
     sent.append((subject, j["job_id"]))
 
     await nc.close()

@@ -149,7 +149,7 @@ async fn cancel_one(shared: &Shared, project: &str, job_id: &str, shot_id: &str,
     }
     let expected = last.as_ref().map_or(0, |o| o.sequence);
     let cancelled = cancelled_outcome(shared, project, job_id, &shot_id, by);
-    match commit::claim_as(shared, &cancelled, expected, subject::msg_id::cancel(job_id, expected)).await {
+    match commit::claim_as(shared, &cancelled, expected, subject::msg_id::cancel(project, job_id, expected)).await {
         Ok(Claim::Ours) => {
             let removed = remove(shared, &live).await;
             info!(job = job_id, project, by, removed, "cancelled");
