@@ -51,6 +51,10 @@ impl Selection {
 pub enum CancelError {
     #[error("no worker answered the cancel request within {0:?}: nothing was cancelled (is any worker running?)")]
     NoAnswer(Duration),
+    #[error(
+        "no worker is running to take the cancel request: nothing was cancelled (queued jobs can be cancelled once a worker is up)"
+    )]
+    NoWorker,
     #[error("the cancel request failed: {0}")]
     Request(String),
     #[error("the worker could not cancel: {0}")]
@@ -66,7 +70,8 @@ pub async fn cancel(client: &async_nats::Client, selection: &Selection, by: &str
     let payload = serde_json::to_vec(&request).expect("requests serialize");
     let ask = async_nats::Request::new().payload(payload.into()).timeout(Some(timeout));
     let answer = client.send_request(subject, ask).await.map_err(|e| match e.kind() {
-        async_nats::RequestErrorKind::NoResponders | async_nats::RequestErrorKind::TimedOut => CancelError::NoAnswer(timeout),
+        async_nats::RequestErrorKind::NoResponders => CancelError::NoWorker,
+        async_nats::RequestErrorKind::TimedOut => CancelError::NoAnswer(timeout),
         _ => CancelError::Request(e.to_string()),
     })?;
     let reply: CancelReply =

@@ -284,10 +284,25 @@ async fn main() -> ExitCode {
     match run(cli).await {
         Ok(code) => ExitCode::from(code),
         Err(Failure(code, e)) => {
-            eprintln!("shotfleet: {e:#}");
+            eprintln!("shotfleet: {}", error_chain(&e));
             ExitCode::from(code)
         }
     }
+}
+
+/// The error and its causes, `: ` between them, leaving out a cause whose text the message
+/// before it already holds (errors that name their source in their own message).
+fn error_chain(error: &anyhow::Error) -> String {
+    let mut out = String::new();
+    for cause in error.chain().map(ToString::to_string) {
+        if !out.contains(&cause) {
+            if !out.is_empty() {
+                out.push_str(": ");
+            }
+            out.push_str(&cause);
+        }
+    }
+    out
 }
 
 async fn run(cli: Cli) -> Result<u8, Failure> {
@@ -401,10 +416,13 @@ async fn submit_file(options: &NatsOptions, args: SubmitArgs) -> Result<u8, Fail
     }
     if !board.errors.is_empty() && !args.skip_invalid {
         return Err(bad_input(anyhow::anyhow!(
-            "{} bad line(s) in {}; nothing was published (fix them, or pass --skip-invalid to publish the {} good ones)",
+            "{} bad line(s) in {}; nothing was published ({})",
             board.errors.len(),
             args.file.display(),
-            board.shots.len()
+            match board.shots.len() {
+                0 => "no line is good: fix them".to_owned(),
+                good => format!("fix them, or pass --skip-invalid to publish the {good} good one(s)"),
+            }
         )));
     }
     if board.shots.is_empty() {

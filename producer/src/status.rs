@@ -127,15 +127,20 @@ pub fn render(status: &Status, fleet: &crate::fleet::Fleet, now: std::time::Inst
         let (device, serves, admits) = worker.state.as_ref().map_or(("-".into(), "?".into(), "?".into()), |s| {
             (s.device.clone(), list(&s.serves), list(&s.admits))
         });
-        let holds = if worker.holds.is_empty() {
-            "idle".to_owned()
-        } else {
+        // The progress events heard while listening name the jobs rendering; a worker's answer
+        // counts what it holds (waiting for a slot and committing too), also between events.
+        let held = worker.state.as_ref().map_or(0, |s| s.in_flight);
+        let holds = if !worker.holds.is_empty() {
             worker
                 .holds
                 .iter()
                 .map(|(job, p)| format!("{job} step {}/{} ({}/{} images)", p.step, p.steps, p.images_done, p.images))
                 .collect::<Vec<_>>()
                 .join("; ")
+        } else if held > 0 {
+            format!("{held} job(s), no progress heard yet")
+        } else {
+            "idle".to_owned()
         };
         let _ = writeln!(out, "  {name:<22} {device:<20} {gpu:>15} {budget:>9} {serves:<12} {admits:<12} {holds}");
     }

@@ -153,10 +153,10 @@ fn csv_rows(text: &str) -> Vec<Row> {
         .records()
         .map(|record| {
             let record = record.map_err(|e| {
-                let line = e.position().map_or(0, |p| p.line() as usize);
-                whole_line(line, format!("malformed CSV: {e}"))
+                let line = e.position().map_or(0, |p| line_at(text, p.byte()));
+                whole_line(line, format!("malformed CSV: {}", csv_error_kind(&e)))
             })?;
-            let line = record.position().map_or(0, |p| p.line() as usize);
+            let line = record.position().map_or(0, |p| line_at(text, p.byte()));
             let mut object = Map::new();
             for (name, cell) in headers.iter().zip(record.iter()) {
                 if cell.is_empty() {
@@ -177,6 +177,30 @@ fn csv_rows(text: &str) -> Vec<Row> {
             Ok((line, object))
         })
         .collect()
+}
+
+/// The line (from 1) where the record the csv crate places at `byte` of `text` starts. Its own
+/// line count leaves out blank lines and counts a CRLF file's lines short; its byte offset is
+/// where the previous record ended, before any blank lines.
+fn line_at(text: &str, byte: u64) -> usize {
+    let bytes = text.as_bytes();
+    let mut start = usize::try_from(byte).unwrap_or(usize::MAX).min(bytes.len());
+    while bytes.get(start).is_some_and(|b| matches!(b, b'\r' | b'\n')) {
+        start += 1;
+    }
+    bytes[..start].iter().filter(|&&b| b == b'\n').count() + 1
+}
+
+/// What went wrong in a CSV record, without the crate's own position (its line is off; the
+/// caller names the right one).
+fn csv_error_kind(error: &csv::Error) -> String {
+    match error.kind() {
+        csv::ErrorKind::UnequalLengths { expected_len, len, .. } => {
+            format!("{len} fields where the header has {expected_len}")
+        }
+        csv::ErrorKind::Utf8 { err, .. } => format!("not UTF-8 text: {err}"),
+        _ => error.to_string(),
+    }
 }
 
 /// `name:weight;name:weight` into the JSON form.
@@ -225,7 +249,8 @@ fn shot_from_row(line: usize, mut object: Map<String, Value>, limits: &Limits) -
     })?;
     job.validate(limits).map_err(|e| {
         let first = &e.problems[0];
-        let more = if e.problems.len() > 1 { format!(" (and {} more: {e})", e.problems.len() - 1) } else { String::new() };
+        let rest: Vec<String> = e.problems[1..].iter().map(|p| format!("field `{}`: {}", p.field, p.message)).collect();
+        let more = if rest.is_empty() { String::new() } else { format!(" (and {} more: {})", rest.len(), rest.join("; ")) };
         LineError { line, field: first.field.clone(), message: format!("{}{more}", first.message) }
     })?;
     Ok(Shot { line, priority, job })
@@ -277,6 +302,20 @@ not json
         assert_eq!(got, [(1, "width"), (2, "width"), (3, ""), (4, "priority"), (6, "job_id")]);
         assert_eq!(board.shots.len(), 1);
         assert!(board.errors[0].to_string().contains("line 1: field `width`: 513 must be a positive multiple of 8"));
+    }
+
+    #[test]
+    fn csv_errors_name_the_file_line_with_crlf_and_blank_lines() {
+        let header = "job_id,project,shot_id,prompt,width,height,steps,guidance,seed";
+        let good = "ok-1,acme,s1,a cat,512,512,20,5,1";
+        for newline in ["\n", "\r\n"] {
+            // Line 1 header, 2 good, 3 blank, 4 bad width, 5 blank, 6 a field short.
+            let text = [header, good, "", "bad-1,acme,s2,a dog,513,512,20,5,2", "", "short,acme,s3,a cow,512,512,20,5"].join(newline) + newline;
+            let board = parse(&text, Format::Csv, &Limits::default());
+            let got: Vec<usize> = board.errors.iter().map(|e| e.line).collect();
+            assert_eq!(got, [4, 6], "{newline:?}: {:?}", board.errors);
+            assert!(board.errors[1].to_string().contains("8 fields where the header has 9"), "{}", board.errors[1]);
+        }
     }
 
     #[test]
