@@ -36,7 +36,7 @@
 //! - **The fleet.** The lookahead is fetched only while the server reported at least
 //!   `lookahead` more jobs waiting on a consumer fetched from: jobs of a short queue are not
 //!   held away from idle workers. At the end of a queue (`drained`) what waits beyond each
-//!   slot's next group goes to an idle worker that asks for it (tail.rs).
+//!   slot's next group goes back when the fleet says another worker is idle (tail.rs).
 //! - **The card.** Looked at in each round with a free slot: a job whose class the card cannot
 //!   start (not in the round's admission) goes back (nak) at once when the worker is idle after
 //!   its one arena shrink (another process took the memory); else once it has been found so
@@ -56,7 +56,7 @@ use shotfleet_schema::MemoryClass;
 use crate::budget::Admission;
 use crate::config::PriorityConfig;
 use crate::telemetry;
-use crate::worker::delivery::{Delivery, Kept};
+use crate::worker::delivery::{Delivery, Kept, Origin};
 use crate::worker::render::spares_deliveries;
 
 /// How long a job whose class the card cannot start may wait here, found so in every round,
@@ -201,7 +201,7 @@ impl Reserve {
 
     /// Adds what a fetch brought, and learns from it whether the queue is deep.
     pub fn add(&mut self, fetched: Vec<Delivery>) {
-        let behind = fetched.iter().map(|delivery| delivery.pending).max().unwrap_or(0);
+        let behind = behind(fetched.iter().map(|delivery| (delivery.origin, delivery.pending)));
         self.deep = self.lookahead > 0 && behind >= self.lookahead as u64;
         self.drained = behind == 0;
         let now = Instant::now();
@@ -251,26 +251,30 @@ impl Reserve {
         }
     }
 
-    /// Whether the queue behind this reserve is drained and it holds more than the next group of
-    /// each of `slots` slots of `per_slot` jobs: what another worker could render now.
+    /// Whether the queue behind this reserve is drained and it holds jobs beyond the next group
+    /// of each of `slots` slots of `per_slot` jobs that may go back: what another worker could
+    /// render now.
     pub fn holds_beyond_next_groups(&self, slots: usize, per_slot: usize) -> bool {
-        self.drained && self.waiting.len() > slots * per_slot.max(1) && !self.beyond_next_groups(slots, per_slot).is_empty()
+        self.drained && self.beyond_next_groups(slots, per_slot).next().is_some()
     }
 
     /// Gives back to the stream what waits beyond the next group of each of `slots` slots (as
     /// `deal` would pick them now, with room for all), of the classes `wanted` names: an idle
     /// worker elsewhere admits them, and fetches them at its next poll. How many.
     pub async fn give_back_beyond_next_groups(&mut self, slots: usize, per_slot: usize, wanted: impl Fn(MemoryClass) -> bool) -> usize {
-        let beyond = self.beyond_next_groups(slots, per_slot);
-        let back: Vec<usize> = beyond.into_iter().filter(|&i| self.waiting[i].candidate.class.is_some_and(&wanted)).collect();
+        let back: Vec<usize> = self.beyond_next_groups(slots, per_slot).filter(|&i| self.waiting[i].candidate.class.is_some_and(&wanted)).collect();
         let count = back.len();
         give_back(take_picked(&mut self.waiting, &back)).await;
         count
     }
 
-    fn beyond_next_groups(&self, slots: usize, per_slot: usize) -> Vec<usize> {
-        let candidates: Vec<&Candidate> = self.waiting.iter().map(|waiting| &waiting.candidate).collect();
-        beyond_next_groups(&candidates, slots, per_slot, &self.clock, &self.affinity)
+    /// The waiting jobs beyond the next groups that may go back: only a job on its first
+    /// delivery, so a job passes from worker to worker so once at most (each pass is a delivery).
+    fn beyond_next_groups(&self, slots: usize, per_slot: usize) -> impl Iterator<Item = usize> + '_ {
+        let candidates: Vec<Candidate> = self.waiting.iter().map(|waiting| waiting.candidate.clone()).collect();
+        beyond_next_groups(candidates, slots, per_slot, &self.clock, &self.affinity)
+            .into_iter()
+            .filter(|&i| self.waiting[i].kept.delivery.attempt <= 1)
     }
 
     /// Gives every waiting job back to the stream at once, for any worker to take: the worker
@@ -284,22 +288,32 @@ impl Reserve {
     }
 }
 
-/// Indices into `waiting` of the jobs left after `slots` groups of `per_slot` dealt now in
-/// strict priority order, with room for every job.
-fn beyond_next_groups(waiting: &[&Candidate], slots: usize, per_slot: usize, clock: &Clock, affinity: &Affinity) -> Vec<usize> {
-    let mut left: Vec<usize> = (0..waiting.len()).collect();
-    let mut round = Round::unbounded();
-    let now = round.now;
-    let mut affinity = affinity.clone();
+/// Indices into `waiting` of the jobs left after `slots` groups of `per_slot` dealt now (as
+/// `deal_from` deals, on copies of the clock and affinity) in strict priority order, with room
+/// for every job.
+fn beyond_next_groups(waiting: Vec<Candidate>, slots: usize, per_slot: usize, clock: &Clock, affinity: &Affinity) -> Vec<usize> {
+    let mut left: Vec<(usize, Candidate)> = waiting.into_iter().enumerate().collect();
+    let (mut clock, mut affinity, mut round) = (clock.clone(), affinity.clone(), Round::unbounded());
     for _ in 0..slots {
-        let candidates: Vec<&Candidate> = left.iter().map(|&i| waiting[i]).collect();
-        let picked = pick_group(&candidates, per_slot, |c| clock.overdue(c, now), &affinity, &mut round);
-        let Some(&lead) = picked.group.first() else { break };
-        affinity.dealt(candidates[lead], picked.group.iter().filter_map(|&at| candidates[at].job.clone()).collect());
-        let dealt: Vec<usize> = picked.group.iter().map(|&at| left[at]).collect();
-        left.retain(|i| !dealt.contains(i));
+        if deal_from(&mut left, |(_, candidate)| candidate, per_slot, &mut clock, &mut affinity, &mut round).is_empty() {
+            break;
+        }
     }
-    left
+    left.into_iter().map(|(i, _)| i).collect()
+}
+
+/// How many jobs wait behind a fetch, from each delivery's origin and `pending`: per consumer
+/// the last delivery's count (an earlier one's counts the rest of the fetch too), the most of
+/// those.
+fn behind(deliveries: impl Iterator<Item = (Origin, u64)>) -> u64 {
+    let mut last: Vec<(Origin, u64)> = Vec::new();
+    for (origin, pending) in deliveries {
+        match last.iter_mut().find(|(o, _)| *o == origin) {
+            Some((_, least)) => *least = (*least).min(pending),
+            None => last.push((origin, pending)),
+        }
+    }
+    last.into_iter().map(|(_, pending)| pending).max().unwrap_or(0)
 }
 
 /// See `Reserve::wanted`; `lookahead` is 0 while the queue is not deep, `room` the jobs the
@@ -332,6 +346,7 @@ async fn give_back(waiting: Vec<Waiting>) {
 /// When each priority's jobs are overdue here: their `[priorities]` bound passed since the job
 /// was fetched and since a job of its priority was last dealt (one jump per bound, as the
 /// scheduler's).
+#[derive(Clone)]
 struct Clock {
     /// Each priority's bound, by rank.
     bounds: [Option<Duration>; 3],
@@ -811,15 +826,27 @@ mod tests {
     fn beyond_the_next_groups_is_what_the_slots_would_not_take_next() {
         use Priority::{P0, P1};
         let now = later();
-        let waiting = [job(1, P1, 1024, now), job(2, P1, 896, now), job(3, P0, 640, now), job(4, P1, 1024, now), job(5, P1, 896, now), job(6, P1, 1152, now)];
-        let refs: Vec<&Candidate> = waiting.iter().collect();
-        let beyond = |slots, per_slot| beyond_next_groups(&refs, slots, per_slot, &clock(), &affinity(2, None));
+        let waiting = vec![job(1, P1, 1024, now), job(2, P1, 896, now), job(3, P0, 640, now), job(4, P1, 1024, now), job(5, P1, 896, now), job(6, P1, 1152, now)];
+        let beyond = |slots, per_slot| beyond_next_groups(waiting.clone(), slots, per_slot, &clock(), &affinity(2, None));
         // Two slots of two: the p0 first (alone), then the 1024 pair; the 896 pair and the 1152 wait.
         assert_eq!(beyond(2, 2), [1, 4, 5]);
         // Three slots: the 896 pair as well.
         assert_eq!(beyond(3, 2), [5]);
         assert!(beyond(4, 2).is_empty());
         assert_eq!(beyond(0, 2).len(), 6);
+        // As dealing counts passes: the 896 passed over once already leads the second slot.
+        let waiting = vec![Candidate { passed: 1, ..job(1, P1, 896, now) }, job(2, P1, 1024, now), job(3, P1, 1024, now)];
+        assert_eq!(beyond_next_groups(waiting, 2, 1, &clock(), &affinity(2, Some((1024, "")))), [2]);
+    }
+
+    #[test]
+    fn behind_a_fetch_is_each_consumers_last_count_the_most_of_them() {
+        let origin = |priority| Origin { priority, class: SubjectClass::Class(MemoryClass::M) };
+        let (p0, p1) = (origin(Priority::P0), origin(Priority::P1));
+        // Ten fetched from a consumer that had ten: the first says nine behind it, the last none.
+        assert_eq!(behind((0..10).rev().map(|n| (p1, n))), 0);
+        assert_eq!(behind([(p0, 0), (p1, 5), (p1, 4)].into_iter()), 4);
+        assert_eq!(behind(std::iter::empty()), 0);
     }
 
     #[test]

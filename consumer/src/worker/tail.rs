@@ -6,8 +6,11 @@
 //! admits those jobs' classes is idle, and if so gives them back for it to fetch. What each
 //! slot takes next stays: it starts as soon as the slot frees.
 //!
-//! A job given back uses a delivery, once: the worker that fetches it holds no more than its
-//! slots take (the queue is not deep), so it is not given back again for this.
+//! A job given back uses a delivery, and only a job on its first delivery goes back so: each
+//! job passes between workers this way once at most, however the fleet's tails meet. The
+//! answer must be fresh (`FRESH`) and the reserve still drained when it is acted on. Workers
+//! of releases before this one count only renders in their answer's `in_flight`, so one of
+//! them between two renders may look idle; it then fetches jobs it renders in turn.
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -25,6 +28,9 @@ use crate::worker::reserve::Reserve;
 const ASK_EVERY: Duration = Duration::from_secs(2);
 /// How long the fleet's answers are collected (off the fetch loop).
 const PING_WAIT: Duration = Duration::from_millis(500);
+/// How old an answer may be when the fetch loop reads it (its rounds come up to a second
+/// apart while every slot renders).
+const FRESH: Duration = Duration::from_millis(2000);
 
 /// The fleet's answer awaited, and when it was last asked.
 #[derive(Default)]
@@ -52,7 +58,8 @@ impl Tail {
                     BTreeSet::new()
                 }
             };
-            if !idle.is_empty() {
+            let fresh = self.asked.is_some_and(|at| at.elapsed() <= FRESH);
+            if fresh && !idle.is_empty() && reserve.holds_beyond_next_groups(slots, per_slot) {
                 let given = reserve.give_back_beyond_next_groups(slots, per_slot, |class| idle.contains(&class)).await;
                 if given > 0 {
                     info!(jobs = given, classes = ?idle, "the queue is drained and another worker is idle: giving back what waits beyond the next groups");
