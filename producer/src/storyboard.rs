@@ -115,11 +115,12 @@ fn whole_line(line: usize, message: impl Into<String>) -> LineError {
     LineError { line, field: String::new(), message: message.into() }
 }
 
+/// One object a line; blank lines and comments (`//` or `#`) are skipped.
 fn json_rows(text: &str) -> Vec<Row> {
     text.lines()
         .enumerate()
         .map(|(i, l)| (i + 1, l.trim()))
-        .filter(|(_, l)| !l.is_empty() && !l.starts_with("//"))
+        .filter(|(_, l)| !l.is_empty() && !l.starts_with("//") && !l.starts_with('#'))
         .map(|(line, l)| match serde_json::from_str::<Value>(l) {
             Ok(Value::Object(object)) => Ok((line, object)),
             Ok(_) => Err(whole_line(line, "expected a JSON object")),

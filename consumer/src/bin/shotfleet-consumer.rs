@@ -69,7 +69,9 @@ async fn main() -> ExitCode {
     let cli = Cli::parse();
     let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info,ort=warn".into());
     if cli.plain_logs {
-        tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
+        // Colours only for a person at a terminal: a log file or journal gets plain text.
+        let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
+        tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_ansi(ansi).init();
     } else {
         tracing_subscriber::fmt().json().with_env_filter(filter).with_writer(std::io::stderr).init();
     }
