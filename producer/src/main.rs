@@ -460,6 +460,13 @@ async fn submit_file(options: &NatsOptions, args: SubmitArgs) -> Result<u8, Fail
         summary.elapsed.as_secs_f64(),
         summary.duplicates.len()
     );
+    if !summary.duplicates.is_empty() {
+        // A changed line under an old id is the easy mistake: the server compares ids, not shots.
+        println!(
+            "  their outcome is the earlier request's, as it was then: give a changed shot a new job_id to render it ({})",
+            summary.duplicates.iter().take(5).cloned().collect::<Vec<_>>().join(", ")
+        );
+    }
     if !args.wait {
         return Ok(0);
     }

@@ -771,26 +771,25 @@ mod tests {
         assert_eq!(waiting.len(), 2);
     }
 
+    /// p1 jobs of square `sizes` (ids from 1) dealt one a slot after a 1024 group, `passes` each.
+    fn singles_after_1024(passes: u32, sizes: &[u32]) -> Vec<Vec<u32>> {
+        let now = later();
+        let mut waiting = sizes.iter().zip(1..).map(|(&size, id)| job(id, Priority::P1, size, now)).collect();
+        deal_alike(&mut waiting, sizes.len(), 1, &mut clock(), &mut affinity(passes, Some((1024, ""))), &mut round(&STRICT, 8, now))
+    }
+
     #[test]
     fn a_job_is_passed_over_for_affinity_no_more_than_its_passes() {
-        use Priority::P1;
-        let now = later();
-        // An 896 job first, then a stream of 1024 jobs; one job a slot, the last group 1024.
-        let mut waiting = vec![job(1, P1, 896, now), job(2, P1, 1024, now), job(3, P1, 1024, now), job(4, P1, 1024, now), job(5, P1, 1024, now)];
-        let mut alike = affinity(2, Some((1024, "")));
-        let dealt = deal_alike(&mut waiting, 5, 1, &mut clock(), &mut alike, &mut round(&STRICT, 8, now));
+        // An 896 job first, then a stream of 1024 jobs.
+        let dealt = singles_after_1024(2, &[896, 1024, 1024, 1024, 1024]);
         assert_eq!(dealt, [vec![2], vec![3], vec![1], vec![4], vec![5]], "passed twice, then it leads");
     }
 
     #[test]
     fn a_pass_counts_against_the_first_in_line_only() {
-        use Priority::P1;
-        let now = later();
         // One pass each: the 896 is passed for the 1024 and then leads; the 640, first in line
         // now, is passed once in turn, for the 896 like it.
-        let mut waiting = vec![job(1, P1, 896, now), job(2, P1, 640, now), job(3, P1, 1024, now), job(4, P1, 896, now), job(5, P1, 1024, now)];
-        let mut alike = affinity(1, Some((1024, "")));
-        let dealt = deal_alike(&mut waiting, 5, 1, &mut clock(), &mut alike, &mut round(&STRICT, 8, now));
+        let dealt = singles_after_1024(1, &[896, 640, 1024, 896, 1024]);
         assert_eq!(dealt, [vec![3], vec![1], vec![4], vec![2], vec![5]]);
     }
 
