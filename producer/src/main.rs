@@ -614,6 +614,11 @@ async fn make_gallery(options: &NatsOptions, args: GalleryArgs) -> Result<u8, Fa
         Some(path) => Some(storyboard::read(path, &Limits::default()).with_context(|| format!("cannot read {}", path.display())).map_err(bad_input)?),
         None => None,
     };
+    if let (Some(board), Some(path)) = (&board, &args.board) {
+        for error in &board.errors {
+            eprintln!("{}: {error} (left out of the gallery)", path.display());
+        }
+    }
     if !args.listen.ip().is_loopback() {
         return Err(bad_input(anyhow::anyhow!("--listen {}: the gallery serves on loopback only (127.0.0.1 or ::1)", args.listen)));
     }
@@ -635,6 +640,9 @@ async fn make_gallery(options: &NatsOptions, args: GalleryArgs) -> Result<u8, Fa
     let path = out.join("index.html");
     std::fs::write(&path, gallery::page::render(&args.project, &cards, false)).with_context(|| format!("cannot write {}", path.display())).map_err(bad_input)?;
     println!("wrote {} ({} shots)", path.display(), cards.len());
+    if cards.is_empty() {
+        eprintln!("shotfleet: nothing of project `{}` is queued, running, finished or failed: is the name right?", args.project);
+    }
     Ok(0)
 }
 
