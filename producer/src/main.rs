@@ -641,7 +641,7 @@ async fn make_gallery(options: &NatsOptions, args: GalleryArgs) -> Result<u8, Fa
     std::fs::write(&path, gallery::page::render(&args.project, &cards, false)).with_context(|| format!("cannot write {}", path.display())).map_err(bad_input)?;
     println!("wrote {} ({} shots)", path.display(), cards.len());
     if cards.is_empty() {
-        eprintln!("shotfleet: nothing of project `{}` is queued, running, finished or failed: is the name right?", args.project);
+        eprintln!("shotfleet: project `{}` has no outcome or failed record yet (and no --board lists its shots): is the name right?", args.project);
     }
     Ok(0)
 }
