@@ -245,7 +245,10 @@ impl Checker {
 
     fn side(&mut self, field: &str, value: u32, limits: &Limits) {
         if !value.is_multiple_of(8) || value == 0 {
-            self.fail(field, format!("{value} must be a positive multiple of 8 (e.g. {})", value.div_ceil(8).max(1) * 8));
+            // The nearest multiple of 64: SDXL's sizes are, and every model's side multiple (8
+            // times its UNet's, 16 or 32) divides it, where a multiple of 8 may be refused.
+            let nearest = (value.saturating_add(32) / 64 * 64).clamp(limits.min_side.div_ceil(64) * 64, limits.max_side / 64 * 64);
+            self.fail(field, format!("{value} must be a positive multiple of 8 (e.g. {nearest})"));
         } else if value < limits.min_side || value > limits.max_side {
             self.fail(
                 field,

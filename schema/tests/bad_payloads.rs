@@ -96,8 +96,8 @@ fn validation_errors_name_the_field() {
     check("long id", None, &json_with("job_id", &format!("\"{}\"", "j".repeat(200))), Expect::Field("job_id", "bytes"));
     check("empty prompt", None, &json_with("prompt", "\"   \""), Expect::Field("prompt", "empty"));
     check("long prompt", None, &json_with("prompt", &format!("\"{}\"", "p".repeat(9000))), Expect::Field("prompt", "bytes"));
-    check("not multiple of 8", None, &json_with("width", "513"), Expect::Field("width", "multiple of 8"));
-    check("zero size", None, &json_with("height", "0"), Expect::Field("height", "positive"));
+    check("not multiple of 8", None, &json_with("width", "513"), Expect::Field("width", "multiple of 8 (e.g. 512)"));
+    check("zero size", None, &json_with("height", "0"), Expect::Field("height", "positive multiple of 8 (e.g. 64)"));
     check("100000 px", None, &json_with("width", "100000"), Expect::Field("width", "outside"));
     check("zero steps", None, &json_with("steps", "0"), Expect::Field("steps", "outside"));
     check("too many images", None, &json_with("images", "1000"), Expect::Field("images", "outside"));
