@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use async_nats::jetstream;
 use shotfleet_schema::nats::Topology;
-use shotfleet_schema::{subject, Priority};
+use shotfleet_schema::{subject, Priority, ShotJob};
 use shotfleet_testkit::NatsServer;
 use shotfleet_tests::*;
 
@@ -20,10 +20,12 @@ async fn renders_stores_reports_and_acks() {
     let store = tempfile::tempdir().unwrap();
     let worker = Worker::start(&server.url(), WorkerSpec::new("w1", store.path()));
 
+    // b1's prompt is longer than the text encoders read.
+    let long = ShotJob { prompt: "a lighthouse keeper at dawn ".repeat(20), ..job("b1", "beta", (64, 128), 3, 1) };
     let shots = vec![
         shot(Priority::P0, job("a1", "acme", (64, 64), 4, 1)),
         shot(Priority::P1, job("a2", "acme", (128, 96), 4, 2)),
-        shot(Priority::P2, job("b1", "beta", (64, 128), 3, 1)),
+        shot(Priority::P2, long),
     ];
     submit(&js, &shots).await;
     let outcomes = outcomes(&js, &shots, Duration::from_secs(120)).await;
@@ -49,6 +51,9 @@ async fn renders_stores_reports_and_acks() {
     assert!(metrics.contains("shotfleet_jobs_total{outcome=\"done\",priority=\"p0\",class=\"xs\"} 1"), "{metrics}");
     assert!(metrics.contains("shotfleet_render_seconds"), "{metrics}");
     assert!(metrics.contains("shotfleet_estimate_error_ratio"), "{metrics}");
+    let log = worker.plain_log();
+    let cut: Vec<&str> = log.lines().filter(|l| l.contains("the end of the prompt is left out")).collect();
+    assert!(cut.len() == 1 && cut[0].contains("job=b1"), "one warning, for b1: {cut:?}");
 }
 
 #[tokio::test]

@@ -660,6 +660,12 @@ impl Pipeline {
         self.text.token_ids(text).map_err(RenderError::Tokenize)
     }
 
+    /// How many tokens of `text` fall past what the text encoders read: SDXL's pipeline cuts a
+    /// prompt there, and so does this one (0 also when it cannot tokenize: the render says why).
+    pub fn prompt_tokens_cut(&self, text: &str) -> usize {
+        self.text.tokens_cut(text).unwrap_or(0)
+    }
+
     /// The conditioning of one prompt.
     ///
     /// # Errors

@@ -151,6 +151,12 @@ impl TextEncoders {
         Ok((self.first.tokenizer.encode(text)?, self.second.tokenizer.encode(text)?))
     }
 
+    /// How many of `text`'s tokens the encoders do not read (the first tokenizer's count; both
+    /// are CLIP's, of one length).
+    pub(crate) fn tokens_cut(&self, text: &str) -> Result<usize, String> {
+        self.first.tokenizer.tokens_cut(text)
+    }
+
     /// The conditioning of `text`, with a LoRA set's text encoder weights when given.
     ///
     /// # Errors

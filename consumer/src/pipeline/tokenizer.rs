@@ -213,6 +213,17 @@ impl ClipTokenizer {
         self.max_length
     }
 
+    /// How many of `text`'s tokens fall past what the text encoder reads (0: it reads them all).
+    ///
+    /// # Errors
+    /// The tokenizer's own error text.
+    pub fn tokens_cut(&self, text: &str) -> Result<usize, String> {
+        let encoding = self.inner.encode(text, true).map_err(|e| e.to_string())?;
+        // Each overflowing piece is framed by its own `<bos>` and `<eos>`, and padded.
+        let real = |piece: &tokenizers::Encoding| piece.get_attention_mask().iter().filter(|&&m| m == 1).count().saturating_sub(2);
+        Ok(encoding.get_overflowing().iter().map(real).sum())
+    }
+
     /// The number of ids the tokenizer can produce (highest id + 1).
     pub fn vocab_size(&self) -> usize {
         self.max_id as usize + 1
@@ -234,5 +245,21 @@ pub(crate) fn read_json_or_default<T: serde::de::DeserializeOwned + Default>(pat
         Ok(bytes) => serde_json::from_slice(&bytes).map_err(|source| LoadError::Json { path: path.to_path_buf(), source }),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(T::default()),
         Err(source) => Err(LoadError::Io { path: path.to_path_buf(), source }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn tokens_past_the_encoders_length_are_counted() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../onnx/tiny/model/tokenizer");
+        let tokenizer = super::ClipTokenizer::load(&dir).unwrap();
+        assert_eq!(tokenizer.tokens_cut("a cat").unwrap(), 0);
+        let short = "a lighthouse keeper at dawn ".repeat(10);
+        let long = "a lighthouse keeper at dawn ".repeat(20);
+        assert_eq!(tokenizer.tokens_cut(&short).unwrap(), 0, "fifty words fit");
+        let cut = tokenizer.tokens_cut(&long).unwrap();
+        // Twice the words: about as many tokens past the 75 read as the first ten repeats take.
+        assert!((20..=60).contains(&cut), "{cut}");
     }
 }

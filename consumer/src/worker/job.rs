@@ -164,6 +164,9 @@ pub(crate) async fn take(shared: &Shared, kept: Kept) -> (Taken, Next) {
             Err(e) => next = Next::Settle(Handled::Stopped(e)),
         }
     }
+    if let (Some(job), Next::Render) = (&job, &next) {
+        warn_of_cut_prompts(shared, job);
+    }
     let (reporter, watch) = match (&job, &next, subscribed) {
         (Some(job), Next::Render, Some(subscribed)) => {
             let watch = OutcomeWatch::start(shared, job, delivery.published, subscribed);
@@ -174,6 +177,18 @@ pub(crate) async fn take(shared: &Shared, kept: Kept) -> (Taken, Next) {
         _ => (None, OutcomeWatch::none()),
     };
     (Taken { delivery, job, last_outcome, set, reporter, watch, _holding: holding.flatten(), _alive }, next)
+}
+
+/// Says in the log when the text encoders will not read all of a job's prompt: CLIP reads 77
+/// tokens (75 words' worth and less), and SDXL's pipeline cuts the rest, as this one does.
+fn warn_of_cut_prompts(shared: &Shared, job: &ShotJob) {
+    let pipeline = shared.pipeline();
+    for (field, text) in [("prompt", Some(job.prompt.as_str())), ("negative_prompt", job.negative())] {
+        let cut = text.map_or(0, |text| pipeline.prompt_tokens_cut(text));
+        if cut > 0 {
+            warn!(job = %job.job_id, field, tokens_cut = cut, "the text encoders read 77 tokens: the end of the prompt is left out");
+        }
+    }
 }
 
 /// A job that can never be rendered, with the job when the payload was readable enough.
