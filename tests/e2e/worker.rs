@@ -227,6 +227,23 @@ async fn invalid_jobs_go_to_the_failed_stream_with_reasons() {
         }
         other => panic!("expected a failed record: {other:?}"),
     }
+
+    // A payload of project beta published under acme fails in acme, where it was published:
+    // nothing of it reaches beta's outcomes.
+    let stray = job("stray-1", "beta", (64, 64), 2, 1);
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert("Nats-Msg-Id", "acme/stray-1");
+    js.publish_with_headers("shots.p1.xs.acme", headers, serde_json::to_vec(&stray).unwrap().into()).await.unwrap().await.unwrap();
+    let as_acme = shot(Priority::P1, job("stray-1", "acme", (64, 64), 2, 1));
+    match &outcomes(&js, &[as_acme], Duration::from_secs(30)).await["stray-1"] {
+        shotfleet_producer::wait::Outcome::Failed { reason, detail, .. } => {
+            assert_eq!(reason, "invalid");
+            assert!(detail.contains("payload project `beta` was published under project `acme`"), "{detail}");
+        }
+        other => panic!("expected a failed record: {other:?}"),
+    }
+    let results = js.get_stream(subject::RESULTS_STREAM).await.unwrap();
+    assert!(results.get_last_raw_message_by_subject("shots.done.beta.stray-1").await.is_err(), "nothing under beta");
 }
 
 #[tokio::test]

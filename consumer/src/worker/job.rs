@@ -209,6 +209,9 @@ fn decode(shared: &Shared, delivery: &Delivery) -> Result<ShotJob, Box<Rejected>
     let subject_project = delivery.subject_project();
     if job.project != subject_project {
         let detail = format!("payload project `{}` was published under project `{subject_project}`", job.project);
+        // Its failure goes to the project it was published under, with its failed record: a
+        // producer of one project never writes outcomes into another's.
+        let job = ShotJob { project: subject_project.to_string(), ..job };
         return Err(reject(Some(job), malformed("project", detail)));
     }
     Ok(job)
