@@ -13,6 +13,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
+use shotfleet_schema::ShotJob;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
@@ -27,22 +28,31 @@ use crate::worker::progress::{self, Reporter};
 use crate::worker::render::{AbortOnDrop, Rendered, render_request, stop_at};
 use crate::worker::run_thread::on_run_thread;
 
-/// Jobs that can share UNet batches: one schedule, one guidance scale, one image size, one LoRA
-/// set (every render of a batch binds the same weights).
-#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
-struct Compatible {
-    width: u32,
-    height: u32,
-    steps: u32,
-    guidance_bits: u32,
-    set: SetKey,
+/// What jobs sharing UNet batches need alike: one schedule, one guidance scale, one image size,
+/// one LoRA set `S` (every render of a batch binds the same weights). The reserve deals by the
+/// LoRAs a job names (`ShotJob::lora_set`), before the library is read; a taken job's set is
+/// what those names resolved to ([`Compatible`]).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub(crate) struct Batch<S> {
+    pub width: u32,
+    pub height: u32,
+    pub steps: u32,
+    pub guidance_bits: u32,
+    pub set: S,
 }
 
-impl Compatible {
-    fn of(taken: &Taken) -> Self {
-        let job = taken.job();
-        let set = taken.set.as_ref().map(|set| set.key.clone()).unwrap_or_default();
+impl<S> Batch<S> {
+    pub fn of(job: &ShotJob, set: S) -> Self {
         Self { width: job.width, height: job.height, steps: job.steps, guidance_bits: job.guidance.to_bits(), set }
+    }
+}
+
+/// Taken jobs that can share UNet batches.
+type Compatible = Batch<SetKey>;
+
+impl Compatible {
+    fn of_taken(taken: &Taken) -> Self {
+        Self::of(taken.job(), taken.set.as_ref().map(|set| set.key.clone()).unwrap_or_default())
     }
 }
 
@@ -66,7 +76,7 @@ pub(crate) async fn handle(shared: Arc<Shared>, deliveries: Vec<Kept>, slot: Slo
     for kept in deliveries {
         let (taken, next) = job::take(&shared, kept).await;
         match next {
-            Next::Render => groups.entry(Compatible::of(&taken)).or_default().push(taken),
+            Next::Render => groups.entry(Compatible::of_taken(&taken)).or_default().push(taken),
             Next::Settle(handled) => finish(&shared, &taken, handled).await,
         }
     }

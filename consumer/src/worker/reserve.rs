@@ -57,6 +57,7 @@ use crate::budget::Admission;
 use crate::config::PriorityConfig;
 use crate::telemetry;
 use crate::worker::delivery::{Delivery, Kept, Origin};
+use crate::worker::group::Batch;
 use crate::worker::render::spares_deliveries;
 
 /// How long a job whose class the card cannot start may wait here, found so in every round,
@@ -65,15 +66,8 @@ use crate::worker::render::spares_deliveries;
 /// worker gets it soon.
 pub(crate) const UNSTARTABLE_HOLD: Duration = Duration::from_secs(30);
 
-/// What jobs sharing UNet batches need alike: LoRAs with their weights, size, steps, guidance.
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
-pub(crate) struct BatchKey {
-    set: Vec<(String, u32)>,
-    width: u32,
-    height: u32,
-    steps: u32,
-    guidance_bits: u32,
-}
+/// What jobs sharing UNet batches need alike, by the LoRAs (names and weights) they name.
+pub(crate) type BatchKey = Batch<Vec<(String, u32)>>;
 
 /// What dealing looks at of a waiting job.
 #[derive(Debug, Clone, PartialEq)]
@@ -101,13 +95,7 @@ impl Candidate {
             SubjectClass::Auto => None,
         };
         let job = decode_job(delivery.content_type().as_deref(), &delivery.message.payload).ok();
-        let batch = job.as_ref().map(|job| BatchKey {
-            set: job.lora_set(),
-            width: job.width,
-            height: job.height,
-            steps: job.steps,
-            guidance_bits: job.guidance.to_bits(),
-        });
+        let batch = job.as_ref().map(|job| BatchKey::of(job, job.lora_set()));
         let job = job.map(|job| format!("{}/{}", job.project, job.job_id));
         Self { priority: delivery.origin.priority, class, batch, job, since, passed: 0 }
     }
