@@ -102,7 +102,18 @@ pub struct Original {
     pub steps: u32,
 }
 
+/// A job's name across projects, `<project>/<job_id>`: ids are unique within a project (and
+/// hold no `/`), so two projects' jobs of one id are two jobs.
+pub fn key(project: &str, job_id: &str) -> String {
+    format!("{project}/{job_id}")
+}
+
 impl ShotJob {
+    /// This job's [`key`].
+    pub fn key(&self) -> String {
+        key(&self.project, &self.job_id)
+    }
+
     /// The memory class of one image of this job, which picks its subject.
     pub fn class(&self) -> MemoryClass {
         MemoryClass::of_size(self.width, self.height)

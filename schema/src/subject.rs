@@ -189,10 +189,10 @@ pub fn attempts_key(job_id: &str, stream_sequence: u64) -> String {
 /// Message ids (`Nats-Msg-Id`) beside the job's own id: one per kind of publish, so the
 /// server's duplicate window makes each publish idempotent.
 pub mod msg_id {
-    /// A job as submitted: `<project>/<job_id>`. Job ids are unique within a project, so two
-    /// projects' jobs of one id are two jobs (ids hold no `/`).
+    /// A job as submitted: its [`key`](crate::job::key), so two projects' jobs of one id are
+    /// two jobs to the duplicate window.
     pub fn job(project: &str, job_id: &str) -> String {
-        format!("{project}/{job_id}")
+        crate::job::key(project, job_id)
     }
     /// The outcome (result, failure, cancellation) that settles the job message at
     /// `stream_sequence`.

@@ -52,7 +52,7 @@ struct Holding {
 impl Holding {
     /// `None` when this worker holds the job already.
     fn take(shared: &Shared, job: &ShotJob) -> Option<Holding> {
-        let key = format!("{}/{}", job.project, job.job_id);
+        let key = job.key();
         let inserted = shared.held.lock().unwrap_or_else(std::sync::PoisonError::into_inner).insert(key.clone());
         inserted.then(|| Holding { held: shared.held.clone(), key })
     }

@@ -96,7 +96,7 @@ impl Candidate {
         };
         let job = decode_job(delivery.content_type().as_deref(), &delivery.message.payload).ok();
         let batch = job.as_ref().map(|job| BatchKey::of(job, job.lora_set()));
-        let job = job.map(|job| format!("{}/{}", job.project, job.job_id));
+        let job = job.map(|job| job.key());
         Self { priority: delivery.origin.priority, class, batch, job, since, passed: 0 }
     }
 }
