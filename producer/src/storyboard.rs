@@ -150,14 +150,15 @@ fn csv_rows(text: &str) -> Vec<Row> {
             ),
         })];
     }
+    let mut lines = Lines { text, at: 0, line: 1 };
     reader
         .records()
         .map(|record| {
             let record = record.map_err(|e| {
-                let line = e.position().map_or(0, |p| line_at(text, p.byte()));
+                let line = e.position().map_or(0, |p| lines.of_record_at(p.byte()));
                 whole_line(line, format!("malformed CSV: {}", csv_error_kind(&e)))
             })?;
-            let line = record.position().map_or(0, |p| line_at(text, p.byte()));
+            let line = record.position().map_or(0, |p| lines.of_record_at(p.byte()));
             let mut object = Map::new();
             for (name, cell) in headers.iter().zip(record.iter()) {
                 if cell.is_empty() {
@@ -180,16 +181,31 @@ fn csv_rows(text: &str) -> Vec<Row> {
         .collect()
 }
 
-/// The line (from 1) where the record the csv crate places at `byte` of `text` starts. Its own
-/// line count leaves out blank lines and counts a CRLF file's lines short; its byte offset is
-/// where the previous record ended, before any blank lines.
-fn line_at(text: &str, byte: u64) -> usize {
-    let bytes = text.as_bytes();
-    let mut start = usize::try_from(byte).unwrap_or(usize::MAX).min(bytes.len());
-    while bytes.get(start).is_some_and(|b| matches!(b, b'\r' | b'\n')) {
-        start += 1;
+/// Line numbers of a CSV file's records, counted on from the last one asked (the records come
+/// in order), so a long file is read once.
+struct Lines<'a> {
+    text: &'a str,
+    /// The byte counted up to, and the line it is on (from 1).
+    at: usize,
+    line: usize,
+}
+
+impl Lines<'_> {
+    /// The line where the record the csv crate places at `byte` starts. The crate's own line
+    /// count leaves out blank lines and counts a CRLF file's lines short; its byte offset is
+    /// where the previous record ended, before any blank lines.
+    fn of_record_at(&mut self, byte: u64) -> usize {
+        let bytes = self.text.as_bytes();
+        let mut start = usize::try_from(byte).unwrap_or(usize::MAX).min(bytes.len());
+        while bytes.get(start).is_some_and(|b| matches!(b, b'\r' | b'\n')) {
+            start += 1;
+        }
+        if start >= self.at {
+            self.line += bytes[self.at..start].iter().filter(|&&b| b == b'\n').count();
+            self.at = start;
+        }
+        self.line
     }
-    bytes[..start].iter().filter(|&&b| b == b'\n').count() + 1
 }
 
 /// What went wrong in a CSV record, without the crate's own position (its line is off; the
