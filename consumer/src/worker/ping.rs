@@ -43,8 +43,8 @@ pub fn state(shared: &Shared) -> WorkerState {
         serves: classes.to_vec(),
         admits: shared.budget.admits_when_idle(classes).unwrap_or_default(),
         gpu: status.as_ref().map_or_else(GpuMemory::default, |s| GpuMemory { used_bytes: s.used, total_bytes: s.total, budget_bytes: s.budget }),
-        // Fetched and not settled (reserved jobs too), not only renders holding budget: a worker
-        // between two renders, its next job dealt, is not idle (tail.rs asks who is).
+        // Every job it holds, fetched and not settled, reserved ones too: a worker between two
+        // renders, its next job dealt, is not idle (tail.rs asks who is).
         in_flight: u32::try_from(crate::telemetry::jobs_in_flight()).unwrap_or(u32::MAX),
         taking_jobs: !shared.stop.is_cancelled(),
         at_ms: now_ms(),
