@@ -48,7 +48,7 @@ pub struct ShotJob {
     #[serde(default = "one")]
     #[schemars(range(min = 1))]
     pub images: u32,
-    /// LoRA adapters to apply, by name, with their weights.
+    /// LoRA adapters to apply, by name, with their weights; each name at most once.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub loras: Vec<Lora>,
     /// The least a degraded render may fall to; absent means the job must not be degraded

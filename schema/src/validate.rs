@@ -138,6 +138,14 @@ impl ShotJob {
             check.id(&format!("loras[{i}].name"), &lora.name, MAX_ID_BYTES, IdKind::FileName);
             let max = limits.max_lora_weight;
             check.finite_range(&format!("loras[{i}].weight"), lora.weight, -max, max);
+            // Two entries of one LoRA would be applied as the sum of their weights: almost
+            // always a slip in the producer (a character listed by two rules), so say so.
+            if let Some(first) = self.loras[..i].iter().position(|earlier| earlier.name == lora.name) {
+                check.fail(
+                    &format!("loras[{i}].name"),
+                    format!("`{}` is listed twice (also loras[{first}]); list each LoRA once, with the weight wanted", lora.name),
+                );
+            }
         }
         if let Some(floor) = self.floor {
             let short_side = self.width.min(self.height);

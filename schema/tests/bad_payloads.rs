@@ -93,6 +93,8 @@ fn validation_errors_name_the_field() {
     check("dotdot lora", None, &json_with("loras", r#"[{"name":"..","weight":1}]"#), Expect::Field("loras[0].name", "`..`"));
     check("lora path", None, &json_with("loras", r#"[{"name":"a/b.safetensors","weight":1}]"#), Expect::Field("loras[0].name", "'/'"));
     check("lora weight", None, &json_with("loras", r#"[{"name":"ok","weight":1e9}]"#), Expect::Field("loras[0].weight", "outside"));
+    let twice = r#"[{"name":"hero","weight":0.8},{"name":"ink","weight":0.5},{"name":"hero","weight":0.4}]"#;
+    check("lora listed twice", None, &json_with("loras", twice), Expect::Field("loras[2].name", "listed twice (also loras[0])"));
     check("long id", None, &json_with("job_id", &format!("\"{}\"", "j".repeat(200))), Expect::Field("job_id", "bytes"));
     check("empty prompt", None, &json_with("prompt", "\"   \""), Expect::Field("prompt", "empty"));
     check("long prompt", None, &json_with("prompt", &format!("\"{}\"", "p".repeat(9000))), Expect::Field("prompt", "bytes"));
