@@ -296,11 +296,11 @@ impl Drop for InFlight {
     }
 }
 
-/// Counts a job waiting in the reserve for a render slot until the guard drops; it counts as in
-/// flight meanwhile too.
+/// Counts a job waiting in the reserve for a render slot until the guard drops (its delivery
+/// counts it in flight meanwhile: `worker::delivery::Kept`).
 #[must_use = "the job counts as reserved only while the guard lives"]
 pub fn reserved() -> Reserved {
-    Reserved { _counted: Counted::new(RESERVED_JOBS), _in_flight: in_flight() }
+    Reserved { _counted: Counted::new(RESERVED_JOBS) }
 }
 
 /// One job in a gauge, while it lives.
@@ -324,5 +324,4 @@ impl Drop for Counted {
 #[derive(Debug)]
 pub struct Reserved {
     _counted: Counted,
-    _in_flight: InFlight,
 }

@@ -6,6 +6,8 @@ use std::time::{Duration, SystemTime};
 use async_nats::jetstream::{self, AckKind};
 use shotfleet_schema::subject::{self, Priority, SubjectClass};
 
+use crate::telemetry;
+
 /// Where a job came from: the consumer's priority and class.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Origin {
@@ -123,22 +125,26 @@ impl KeepAlive {
     }
 }
 
-/// A delivery whose keep-alive already runs: the reserve hands its jobs on this way, so that no
-/// gap opens between its in-progress acks and the job's (reserve.rs, job.rs).
+/// A delivery whose keep-alive already runs and which counts as in flight: the reserve hands its
+/// jobs on this way, so that no gap opens between its in-progress acks and the job's, nor in
+/// the count of jobs held that a fleet ping reads (reserve.rs, job.rs, tail.rs).
 pub struct Kept {
     pub delivery: Delivery,
     alive: KeepAlive,
+    in_flight: telemetry::InFlight,
 }
 
 impl Kept {
-    /// Starts keeping `delivery` alive (see [`KeepAlive::start`]).
+    /// Starts keeping `delivery` alive (see [`KeepAlive::start`]) and counting it in flight.
     pub fn start(delivery: Delivery, interval: Option<Duration>) -> Self {
         let alive = KeepAlive::start(&delivery, interval);
-        Self { delivery, alive }
+        Self { delivery, alive, in_flight: telemetry::in_flight() }
     }
 
-    pub fn into_parts(self) -> (Delivery, KeepAlive) {
-        (self.delivery, self.alive)
+    /// The delivery, its keep-alive and its place in the in-flight count: the job is in flight
+    /// until the last is dropped, after it is settled.
+    pub fn into_parts(self) -> (Delivery, KeepAlive, telemetry::InFlight) {
+        (self.delivery, self.alive, self.in_flight)
     }
 }
 

@@ -19,7 +19,6 @@ use tracing::{info, warn};
 
 use crate::pipeline::lora::SetKey;
 use crate::pipeline::{CancelHandle, RenderControl, RenderRequest};
-use crate::telemetry;
 use crate::worker::Shared;
 use crate::worker::delivery::Kept;
 use crate::worker::Slot;
@@ -71,7 +70,6 @@ fn resident_first<T>(groups: impl IntoIterator<Item = Vec<T>>, resident: impl Fn
 /// after the last commit: the next jobs render while these upload, as a job alone does
 /// ([`job::render_and_commit`]).
 pub(crate) async fn handle(shared: Arc<Shared>, deliveries: Vec<Kept>, slot: Slot) {
-    let _in_flight: Vec<_> = deliveries.iter().map(|_| telemetry::in_flight()).collect();
     let mut groups: BTreeMap<Compatible, Vec<Taken>> = BTreeMap::new();
     for kept in deliveries {
         let (taken, next) = job::take(&shared, kept).await;

@@ -38,6 +38,7 @@ pub(crate) struct Taken {
     pub watch: OutcomeWatch,
     _holding: Option<Holding>,
     _alive: KeepAlive,
+    _in_flight: telemetry::InFlight,
 }
 
 /// How long a second delivery of a job this worker holds waits before it is offered again.
@@ -86,7 +87,6 @@ pub(crate) enum Next {
 /// Handles one delivery to the end: it is acked, naked, terminated or routed when this returns.
 /// `slot`, the fetch loop's render slot it holds, is given back once its render has ended.
 pub(crate) async fn handle(shared: Arc<Shared>, kept: Kept, slot: Option<Slot>) {
-    let _in_flight = telemetry::in_flight();
     let (taken, next) = take(&shared, kept).await;
     let handled = match next {
         Next::Render => render_and_commit(&shared, &taken, slot).await,
@@ -119,7 +119,7 @@ pub(crate) async fn finish(shared: &Shared, taken: &Taken, handled: Handled) {
 /// the job's outcome, and resolve the LoRA set it names. Its keep-alive goes on until it is
 /// settled.
 pub(crate) async fn take(shared: &Shared, kept: Kept) -> (Taken, Next) {
-    let (delivery, _alive) = kept.into_parts();
+    let (delivery, _alive, _in_flight) = kept.into_parts();
     telemetry::queue_wait(delivery.origin.priority, delivery.queued);
     let decoded = decode(shared, &delivery);
     let holding = decoded.as_ref().ok().map(|job| Holding::take(shared, job));
@@ -127,7 +127,7 @@ pub(crate) async fn take(shared: &Shared, kept: Kept) -> (Taken, Next) {
         let job = decoded.ok();
         info!(job = job.as_ref().map_or("?", |j| j.job_id.as_str()), "this worker already holds another delivery of the job; giving this one back");
         let busy = Handled::Stopped(JobError::give_back(HELD_HERE_DELAY, "another delivery of the job is in progress on this worker"));
-        return (Taken { delivery, job, last_outcome: 0, set: None, reporter: None, watch: OutcomeWatch::none(), _holding: None, _alive }, Next::Settle(busy));
+        return (Taken { delivery, job, last_outcome: 0, set: None, reporter: None, watch: OutcomeWatch::none(), _holding: None, _alive, _in_flight }, Next::Settle(busy));
     }
     // Before the look-up below: an outcome stored after it reaches the watch.
     let subscribed = match &decoded {
@@ -176,7 +176,7 @@ pub(crate) async fn take(shared: &Shared, kept: Kept) -> (Taken, Next) {
         }
         _ => (None, OutcomeWatch::none()),
     };
-    (Taken { delivery, job, last_outcome, set, reporter, watch, _holding: holding.flatten(), _alive }, next)
+    (Taken { delivery, job, last_outcome, set, reporter, watch, _holding: holding.flatten(), _alive, _in_flight }, next)
 }
 
 /// Says in the log when the text encoders will not read all of a job's prompt: CLIP reads 77

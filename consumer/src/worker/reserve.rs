@@ -325,7 +325,7 @@ fn goes_back(unstartable_for: Option<Duration>, idle: bool, spares: bool, hold_l
 async fn give_back(waiting: Vec<Waiting>) {
     for waiting in waiting {
         // The keep-alive first: an in-progress ack after the nak would hold the job back.
-        let (delivery, alive) = waiting.kept.into_parts();
+        let (delivery, alive, _in_flight) = waiting.kept.into_parts();
         drop(alive);
         delivery.nak(None).await;
     }
