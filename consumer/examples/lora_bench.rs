@@ -159,7 +159,7 @@ fn options(args: &Args) -> PipelineOptions {
     let device = if args.cuda {
         // The fleet's tuned UNet options (deploy/gpu/fleet.toml); with --cuda-graph base renders
         // replay CUDA graphs and LoRA renders run uncaptured.
-        let unet = CudaTuning { conv_algo_search: Some(shotfleet_consumer::pipeline::ConvSearch::Heuristic), graph: args.cuda_graph, ..CudaTuning::default() };
+        let unet = CudaTuning { graph: args.cuda_graph, ..CudaTuning::default() };
         Device::Cuda { gpu: args.gpu, mem_limit_bytes: None, cuda: CudaConfig { unet, ..CudaConfig::default() } }
     } else {
         Device::Cpu

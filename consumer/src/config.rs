@@ -21,7 +21,7 @@
 //!             # or nkey / token_file / user + password_file; tls_cert + tls_key; inbox_prefix = "_INBOX_worker"
 //! [store]     url = "s3://renders/shotfleet", endpoint = "http://minio:9000"
 //! [budget]    max_fill = 0.9, reserve_mib = 512, max_mib = 12288   # max_mib: a share of the card
-//! [cuda.unet] conv_algo_search = "exhaustive", fuse_conv_bias = true, graph = false   # unset: heuristic
+//! [cuda.unet] conv_algo_search = "exhaustive", fuse_conv_bias = true, graph = false   # search unset: heuristic
 //! [cuda.vae]  conv_max_workspace = false
 //! [telemetry] listen = "127.0.0.1:9400"   # the default; a pod or a remote scraper needs another
 //! [priorities] p1_max_wait = "20s", p2_max_wait = "60s"

@@ -138,7 +138,7 @@ fn the_binary_refuses_bad_config_with_exit_code_2() {
 #[test]
 fn per_graph_cuda_options_default_to_onnx_runtimes_own() {
     let config: WorkerConfig = toml::from_str("[cuda.unet]\nconv_algo_search = \"exhaustive\"\nmem_pattern = false\n").unwrap();
-    assert_eq!(config.cuda.unet_conv_search(), ConvSearch::Exhaustive, "set: as set");
+    assert_eq!(config.cuda.unet.conv_algo_search, ConvSearch::Exhaustive, "set: as set");
     assert!(!config.cuda.unet.mem_pattern);
     assert!(config.cuda.unet.conv_max_workspace, "not set: ONNX Runtime's default");
     assert!(config.cuda.vae.mem_pattern, "not set: ONNX Runtime's default");
@@ -147,19 +147,19 @@ fn per_graph_cuda_options_default_to_onnx_runtimes_own() {
 }
 
 #[test]
-fn the_unets_convolution_search_defaults_to_the_heuristic_and_the_decoders_to_onnx_runtimes() {
-    // Unset, each graph's own: a [cuda.unet] table that sets something else keeps the UNet's.
-    for text in ["", "[cuda.unet]\nmem_pattern = false\n"] {
+fn every_graphs_convolution_search_defaults_to_the_heuristic() {
+    // Unset, the heuristic: a table that sets something else keeps it.
+    for text in ["", "[cuda.unet]\nmem_pattern = false\n", "[cuda.vae]\nconv_max_workspace = false\n"] {
         let config: WorkerConfig = toml::from_str(text).unwrap();
-        assert_eq!(config.cuda.unet_conv_search(), ConvSearch::Heuristic, "{text:?}");
-        assert_eq!(config.cuda.vae_conv_search(), ConvSearch::Exhaustive, "{text:?}");
+        assert_eq!(config.cuda.unet.conv_algo_search, ConvSearch::Heuristic, "{text:?}");
+        assert_eq!(config.cuda.vae.conv_algo_search, ConvSearch::Heuristic, "{text:?}");
     }
-    let config: WorkerConfig = toml::from_str("[cuda.vae]\nconv_algo_search = \"heuristic\"\n").unwrap();
-    assert_eq!(config.cuda.vae_conv_search(), ConvSearch::Heuristic);
+    let config: WorkerConfig = toml::from_str("[cuda.vae]\nconv_algo_search = \"exhaustive\"\n").unwrap();
+    assert_eq!(config.cuda.vae.conv_algo_search, ConvSearch::Exhaustive);
     // What a stored calibration is keyed by (worker/startup.rs): the searches as resolved.
-    assert_eq!(config.cuda.describe(), "UNet heuristic search; VAE heuristic search");
+    assert_eq!(config.cuda.describe(), "UNet heuristic search; VAE exhaustive search");
     let config: WorkerConfig = toml::from_str("[cuda.vae]\nconv_max_workspace = false\nmem_pattern = false\n").unwrap();
-    assert_eq!(config.cuda.describe(), "UNet heuristic search; VAE exhaustive search, workspace capped, no memory patterns");
+    assert_eq!(config.cuda.describe(), "UNet heuristic search; VAE heuristic search, workspace capped, no memory patterns");
 }
 
 #[test]

@@ -16,12 +16,13 @@
 #   storyboard-stored  the same shots again from a new worker process that starts with the state
 #                folder the first run left (its stored calibration: one fitness render instead of
 #                the probes), as a fleet's worker restarts; `storyboard_stored` in the summary
-#   storyboard-vae-heuristic  as storyboard (a cold worker: other CUDA options are another
-#                calibration), the VAE decoder on cuDNN's heuristic search (`[cuda.vae]
-#                conv_algo_search = "heuristic"`): ONNX Runtime builds a convolution's plan again
-#                at every switch of size, ~1.15 s a VAE decode on the default search (RESULTS.md,
-#                lease of 2026-12-04, third); the summary's `vae_after_switch` of each run says
-#                what a switch costs
+#   storyboard-vae-exhaustive  as storyboard (a cold worker: other CUDA options are another
+#                calibration), the VAE decoder on ONNX Runtime's exhaustive search (`[cuda.vae]
+#                conv_algo_search = "exhaustive"`, the worker's default until 2026-12-05): ONNX
+#                Runtime builds a convolution's plan again at every switch of size, ~1 s more a
+#                VAE decode on that search, ~0.1-0.25 s on the heuristic (RESULTS.md, lease of
+#                2026-12-05, where this run was `storyboard-vae-heuristic` against that default);
+#                the summary's `vae_after_switch` of each run says what a switch costs
 #   storyboard-no-affinity  as storyboard-stored (the first run's state folder: its figures to
 #                read are steady-state ones), without affinity (`affinity_passes = 0`): each lead
 #                by arrival within its priority, not one like the last group dealt
@@ -31,7 +32,7 @@
 #                each slot's batch partners come only from the jobs fetched for it, as before the
 #                reserve; the summary's `renders` of each run says how many renders were groups
 #
-# STORY_RUNS (storyboard,storyboard-vae-heuristic,storyboard-no-affinity,storyboard-no-lookahead)
+# STORY_RUNS (storyboard,storyboard-stored)
 # picks, in the order they run (the deadline skips the last ones first); storyboard-stored,
 # storyboard-no-affinity and storyboard-no-lookahead need storyboard in the same call.
 #
@@ -52,8 +53,8 @@ stage_storyboard() {
     rm -rf "$WORK/state-kept"
     story_run storyboard "the mixed storyboard from a cold worker" ""
     story_run storyboard-stored "the mixed storyboard from a cold worker with the first run's state folder" "$WORK/state-kept"
-    story_run storyboard-vae-heuristic "the mixed storyboard from a cold worker, the VAE on cuDNN's heuristic search" \
-        "" $'\n\n[cuda.vae]\nconv_algo_search = "heuristic"'
+    story_run storyboard-vae-exhaustive "the mixed storyboard from a cold worker, the VAE on ONNX Runtime's exhaustive search" \
+        "" $'\n\n[cuda.vae]\nconv_algo_search = "exhaustive"'
     story_run storyboard-no-affinity "the mixed storyboard from the first run's state folder without affinity (affinity_passes = 0)" \
         "$WORK/state-kept" "" "affinity_passes = 0"
     story_run storyboard-no-lookahead "the mixed storyboard from the first run's state folder without a reserve (lookahead = 0)" \

@@ -20,7 +20,7 @@
 #              the UNet's launch gaps (9% of a call, RESULTS.md's profile) closed by replaying a
 #              captured graph per shape
 #   c1-best    concurrency 1, the UNet benchmark's best: heuristic, fuse_conv_bias, graph; 16 x 1
-#   c1-stock   concurrency 1, ONNX Runtime's defaults (the UNet's search set back to exhaustive); 16 x 1
+#   c1-stock   concurrency 1, ONNX Runtime's defaults (both graphs' searches set back to exhaustive); 16 x 1
 # All SPEED_SIZE x SPEED_SIZE (1024), SPEED_STEPS (30) steps, guidance 5, submitted at once with
 # `shotfleet submit FILE --wait`, gpu_sampler.py around each set.
 #
@@ -116,7 +116,7 @@ case "$STAGE" in
     see) RUNS=,see, ;;
     box) RUNS=,${FLEET_RUNS:-one,two,mixed}, ;;
     board) RUNS=,${FLEET_RUNS:-board,board-small}, ;;
-    storyboard) RUNS=,${STORY_RUNS:-storyboard,storyboard-vae-heuristic,storyboard-no-affinity,storyboard-no-lookahead}, ;;
+    storyboard) RUNS=,${STORY_RUNS:-storyboard,storyboard-stored}, ;;
 esac
 RESULTS=${RESULTS:-$WORK/results}
 OUT=${OUT:-$RESULTS}
@@ -249,7 +249,7 @@ stage_speed() {
     speed_run c1-batch4-graph "c1 batch_jobs 4, CUDA graph, VAE keeps its arena" $'concurrency = 1\nbatch_jobs = 4' \
         "$TUNED"$'\ngraph = true\n\n'"$VAE_KEEPS" "a:${SPEED_JOBS}x1"
     speed_run c1-best "c1 best" "concurrency = 1" "$TUNED"$'\nfuse_conv_bias = true\ngraph = true' "a:${SPEED_JOBS}x1"
-    speed_run c1-stock "c1 stock" "concurrency = 1" $'[cuda.unet]\nconv_algo_search = "exhaustive"' "a:${SPEED_JOBS}x1"
+    speed_run c1-stock "c1 stock" "concurrency = 1" $'[cuda.unet]\nconv_algo_search = "exhaustive"\n\n[cuda.vae]\nconv_algo_search = "exhaustive"' "a:${SPEED_JOBS}x1"
 }
 
 # --- budget -------------------------------------------------------------------------------------

@@ -27,7 +27,8 @@ from storyboards import firsts_of_sizes
 FLEET_RUNS = (
     ("storyboard", "shotfleet (cold worker)"),
     ("storyboard_stored", "shotfleet (cold worker, stored calibration)"),
-    ("storyboard_vae_heuristic", "shotfleet (cold worker, VAE heuristic search)"),
+    ("storyboard_vae_heuristic", "shotfleet (cold worker, VAE heuristic search)"),  # against the exhaustive default, 2026-12-05
+    ("storyboard_vae_exhaustive", "shotfleet (cold worker, VAE exhaustive search)"),
     ("storyboard_no_affinity", "shotfleet (stored calibration, no affinity)"),
     ("storyboard_no_lookahead", "shotfleet (stored calibration, no reserve)"),
 )

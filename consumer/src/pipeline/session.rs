@@ -407,12 +407,12 @@ fn configure_device(
     match device {
         Device::Cpu => Ok(builder),
         Device::Cuda { gpu, mem_limit_bytes, cuda: config } => {
-            let (tuning, search) = match role {
-                Role::Unet => (config.unet, config.unet_conv_search()),
-                Role::Vae => (config.vae, config.vae_conv_search()),
-                Role::Plain => (super::CudaTuning::default(), ConvSearch::default()),
+            let tuning = match role {
+                Role::Unet => config.unet,
+                Role::Vae => config.vae,
+                Role::Plain => super::CudaTuning::default(),
             };
-            let search = match search {
+            let search = match tuning.conv_algo_search {
                 ConvSearch::Exhaustive => ConvAlgorithmSearch::Exhaustive,
                 ConvSearch::Heuristic => ConvAlgorithmSearch::Heuristic,
                 ConvSearch::Default => ConvAlgorithmSearch::Default,
