@@ -157,10 +157,16 @@ pub fn decode<T: DeserializeOwned>(
         }
         ContentType::MessagePack => {
             let mut de = rmp_serde::Deserializer::from_read_ref(payload);
+            de.set_max_depth(MAX_MSGPACK_DEPTH);
             serde_path_to_error::deserialize(&mut de).map_err(|e| malformed("MessagePack", e))
         }
     }
 }
+
+/// How deep MessagePack arrays and maps may nest, unknown fields included (a job nests three
+/// levels). rmp-serde's own limit, 1,024, is deeper than a Tokio worker thread's stack: a 1 KB
+/// payload of 1,000 nested arrays aborted the worker process (serde_json stops at 128).
+const MAX_MSGPACK_DEPTH: usize = 32;
 
 fn malformed<E: std::fmt::Display>(
     format: &'static str,

@@ -51,6 +51,22 @@ fn decode_errors_are_specific() {
     check("huge number", None, &json_with("width", "99999999999999"), Expect::Decode("at `width`"));
     check("seed beyond u64", None, &json_with("seed", "1e30"), Expect::Decode("at `seed`"));
     check("lora not a list", None, &json_with("loras", "{}"), Expect::Decode("at `loras`"));
+    // An unknown field nested deeper than any stack: named, never a crash (it aborted workers).
+    let mut deep = msgpack(&good);
+    deep[0] += 1; // one more field in the top map (fixmap: the low nibble is its length)
+    deep.extend(rmp_serde::to_vec(&"x").unwrap());
+    deep.extend(std::iter::repeat_n(0x91u8, 60_000));
+    deep.push(0x90);
+    // On a stack of a Tokio worker thread's size, where a worker decodes.
+    let on_small_stack = std::thread::Builder::new().stack_size(2 << 20);
+    on_small_stack
+        .spawn(move || check("deep msgpack", Some("application/msgpack"), &deep, Expect::Decode("depth limit exceeded")))
+        .unwrap()
+        .join()
+        .unwrap();
+    let mut deep_json = br#"{"v":1,"x":"#.to_vec();
+    deep_json.extend(std::iter::repeat_n(b'[', 60_000));
+    check("deep json", None, &deep_json, Expect::Decode("EOF while parsing a list"));
     check("bom", None, &[b"\xEF\xBB\xBF".as_slice(), GOOD.as_bytes()].concat(), Expect::Decode("byte order mark"));
     check("trailing garbage", None, &[GOOD.as_bytes(), b"}"].concat(), Expect::Decode("trailing"));
     check("not json", None, b"prompt=a cat", Expect::Decode("malformed JSON"));
