@@ -9,8 +9,8 @@ use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
 use crate::VERSION;
-use crate::job::ShotJob;
-use crate::validate::{Limits, ValidationError};
+use crate::job::{JobIds, ShotJob};
+use crate::validate::{Limits, MAX_ID_BYTES, ValidationError, id_problem};
 
 /// The `Content-Type` header's name.
 pub const HEADER: &str = "Content-Type";
@@ -110,6 +110,34 @@ pub fn decode_job(content_type: Option<&str>, payload: &[u8]) -> Result<ShotJob,
         Some(_) => {}
     }
     decode(content_type, payload)
+}
+
+/// The ids of a job whose payload does not decode (a field of the wrong type, another version,
+/// a wrong `Content-Type`), so that its producer can still be told why it failed: `job_id`
+/// and `shot_id` where they are strings that are valid ids (`shot_id` is left empty
+/// otherwise), and `project` as `subject_project`, the project the job was published under
+/// (where its outcome belongs, whatever the payload says). Reads the payload as its header
+/// says, else as JSON, else as MessagePack; `None` when no `job_id` can be read.
+pub fn read_ids(content_type: Option<&str>, payload: &[u8], subject_project: &str) -> Option<JobIds> {
+    #[derive(Deserialize)]
+    struct IdsProbe {
+        #[serde(default)]
+        job_id: Option<serde_json::Value>,
+        #[serde(default)]
+        shot_id: Option<serde_json::Value>,
+    }
+    let payload = payload.strip_prefix(b"\xEF\xBB\xBF").unwrap_or(payload);
+    let declared = ContentType::from_header(content_type).ok();
+    let probe: IdsProbe = [declared, Some(ContentType::Json), Some(ContentType::MessagePack)]
+        .into_iter()
+        .flatten()
+        .find_map(|content_type| decode(content_type, payload).ok())?;
+    // Values, not strings, so that a wrongly typed id does not hide the other one.
+    let id = |value: Option<serde_json::Value>| {
+        value.and_then(|v| v.as_str().map(str::to_owned)).filter(|id| id_problem(id, MAX_ID_BYTES).is_none())
+    };
+    let job_id = id(probe.job_id)?;
+    Some(JobIds { job_id, project: subject_project.to_owned(), shot_id: id(probe.shot_id).unwrap_or_default() })
 }
 
 /// Decodes then validates a job: what a worker does with every message it fetches.

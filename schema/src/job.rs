@@ -108,7 +108,22 @@ pub fn key(project: &str, job_id: &str) -> String {
     format!("{project}/{job_id}")
 }
 
+/// The ids a result names its job by. A payload that does not decode as a whole may still
+/// give them ([`crate::encoding::read_ids`]), so that its producer hears why it failed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct JobIds {
+    pub job_id: String,
+    pub project: String,
+    /// Empty when a payload that did not decode had none to read.
+    pub shot_id: String,
+}
+
 impl ShotJob {
+    /// The ids its result names it by.
+    pub fn ids(&self) -> JobIds {
+        JobIds { job_id: self.job_id.clone(), project: self.project.clone(), shot_id: self.shot_id.clone() }
+    }
+
     /// This job's [`key`].
     pub fn key(&self) -> String {
         key(&self.project, &self.job_id)

@@ -38,7 +38,7 @@ pub use class::MemoryClass;
 pub use encoding::{ContentType, DecodeError, InvalidJob};
 pub use failure::FailureReason;
 pub use cancel::{CancelReply, CancelRequest, CancelResult, CancelledJob};
-pub use job::{Degrade, Floor, Lora, Original, ShotJob};
+pub use job::{Degrade, Floor, JobIds, Lora, Original, ShotJob};
 pub use progress::{GpuMemory, ProgressEvent, ShotProgress, WorkerState};
 pub use result::{Failure, ImageRef, ResultStatus, ShotResult, Timing};
 pub use subject::{Priority, SubjectClass};

@@ -158,3 +158,24 @@ fn decode_error_type_is_exported() {
     let e = parse_job(None, b"", &Limits::default()).unwrap_err();
     assert!(matches!(e, InvalidJob::Decode(DecodeError::Empty)));
 }
+
+#[test]
+fn a_payload_that_does_not_decode_may_still_name_its_job() {
+    use shotfleet_schema::encoding::read_ids;
+    let ids = |content_type: Option<&str>, payload: &[u8]| read_ids(content_type, payload, "acme").map(|ids| (ids.job_id, ids.project, ids.shot_id));
+    let named = |job: &str, shot: &str| Some((job.to_string(), "acme".to_string(), shot.to_string()));
+    // A field of the wrong type; the project is the subject's, whatever the payload says.
+    let wrong = br#"{"v":1,"job_id":"j1","project":"beta","shot_id":"s1","guidance":"5"}"#;
+    assert_eq!(ids(None, wrong), named("j1", "s1"));
+    // Another version, a byte order mark, a wrong Content-Type, MessagePack sent without one.
+    assert_eq!(ids(None, br#"{"v":2,"job_id":"j2"}"#), named("j2", ""));
+    assert_eq!(ids(None, &[b"\xEF\xBB\xBF".as_slice(), wrong].concat()), named("j1", "s1"));
+    assert_eq!(ids(Some("text/plain"), wrong), named("j1", "s1"));
+    let packed = msgpack(&serde_json::json!({"job_id": "j3", "shot_id": 7, "width": "wide"}));
+    assert_eq!(ids(None, &packed), named("j3", ""), "a shot id of the wrong type is left empty");
+    // Nothing to name it by: no id, an id that is no id, not a map, not a payload at all.
+    assert_eq!(ids(None, br#"{"v":1,"job_id":7}"#), None);
+    assert_eq!(ids(None, br#"{"v":1,"job_id":"a/b"}"#), None);
+    assert_eq!(ids(None, br#"[1,2]"#), None);
+    assert_eq!(ids(None, b"prompt=a cat"), None);
+}

@@ -214,6 +214,30 @@ async fn invalid_jobs_go_to_the_failed_stream_with_reasons() {
     assert_eq!(header("Shotfleet-Deliveries"), "1");
     assert_eq!(header("Shotfleet-Worker"), "strict");
     assert_eq!(&record.payload[..], b"{\"v\":1,\"job_id\":\"bad-1\",\"width\":\"wide\"}", "the original payload is kept");
+    // The payload did not decode, but it names its job: the record and an outcome say so, so
+    // that its producer hears why (`shotfleet replay --job bad-1` finds it).
+    assert_eq!(header("Shotfleet-Job-Id"), "bad-1");
+    let named = |id: &str| shot(Priority::P0, job(id, "acme", (64, 64), 2, 1));
+    match &outcomes(&js, &[named("bad-1")], Duration::from_secs(30)).await["bad-1"] {
+        shotfleet_producer::wait::Outcome::Failed { reason, detail, .. } => {
+            assert_eq!(reason, "invalid");
+            assert!(detail.contains("width"), "{detail}");
+        }
+        other => panic!("expected a failed outcome: {other:?}"),
+    }
+    // So does a job of another contract version, in MessagePack.
+    let future = serde_json::json!({"v": 2, "job_id": "future-1", "project": "acme", "shot_id": "s1", "prompt": "a cat"});
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert("Nats-Msg-Id", "acme/future-1");
+    headers.insert("Content-Type", "application/msgpack");
+    js.publish_with_headers("shots.p0.xs.acme", headers, shotfleet_schema::encoding::encode(shotfleet_schema::ContentType::MessagePack, &future).into()).await.unwrap().await.unwrap();
+    match &outcomes(&js, &[named("future-1")], Duration::from_secs(30)).await["future-1"] {
+        shotfleet_producer::wait::Outcome::Failed { reason, detail, .. } => {
+            assert_eq!(reason, "invalid");
+            assert!(detail.contains("version 2"), "{detail}");
+        }
+        other => panic!("expected a failed outcome: {other:?}"),
+    }
 
     // A LoRA the library does not have: never rendered without the style it asked for.
     let mut styled = job("styled-1", "acme", (64, 64), 2, 1);

@@ -62,7 +62,7 @@ async fn rescue(shared: &Shared, advisory: MaxDeliveries) {
     let job = encoding::decode_job(content_type.as_deref(), &message.payload).ok();
     let published: SystemTime = message.time.into();
     let mut last_outcome = 0;
-    if let Some(job) = job.as_ref().filter(|job| commit::names_a_subject(job)) {
+    if let Some(job) = job.as_ref().filter(|job| commit::names_a_subject(&job.ids())) {
         match commit::last_outcome(shared, &job.project, &job.job_id).await {
             Ok(Some(outcome)) if outcome.settles(published) => {
                 remove(&stream, advisory.stream_seq, &job.job_id, "job past max deliveries already has its outcome; removed").await;

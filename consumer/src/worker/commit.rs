@@ -29,7 +29,7 @@ use async_nats::jetstream::message::PublishMessage;
 use async_nats::jetstream::stream::DirectGetErrorKind;
 use shotfleet_schema::encoding::{self, ContentType};
 use shotfleet_schema::validate::{MAX_ID_BYTES, MAX_PROJECT_BYTES, id_problem};
-use shotfleet_schema::{Failure, ImageRef, ResultStatus, ShotJob, ShotResult, Timing, subject};
+use shotfleet_schema::{Degrade, Failure, ImageRef, JobIds, ResultStatus, ShotJob, ShotResult, Timing, subject};
 
 use crate::failure::{JobError, classify_render};
 use crate::faults;
@@ -197,30 +197,32 @@ pub async fn upload(shared: &Shared, job: &ShotJob, images: Vec<RenderedImage>) 
     Ok(Uploaded { images: refs, png: png_time })
 }
 
-/// Whether the job's project and id make a result subject (they do once validated; a job
+/// Whether a job's project and id make a result subject (they do once validated; a job
 /// failed as invalid may have either broken).
-pub fn names_a_subject(job: &ShotJob) -> bool {
-    id_problem(&job.job_id, MAX_ID_BYTES).is_none() && id_problem(&job.project, MAX_PROJECT_BYTES).is_none()
+pub fn names_a_subject(ids: &JobIds) -> bool {
+    id_problem(&ids.job_id, MAX_ID_BYTES).is_none() && id_problem(&ids.project, MAX_PROJECT_BYTES).is_none()
 }
 
-/// An outcome of `job` from this worker, without images: `attempt` is the delivery's count,
-/// `queued` how long it waited in the stream.
+/// An outcome of the job `ids` names from this worker, without images: `degrade` its rung,
+/// `attempt` the delivery's count, `queued` how long it waited in the stream.
 pub fn outcome_of(
     shared: &Shared,
-    job: &ShotJob,
+    ids: JobIds,
+    degrade: Option<Degrade>,
     attempt: u64,
     queued: Duration,
     status: ResultStatus,
     failure: Option<Failure>,
 ) -> ShotResult {
+    let JobIds { job_id, project, shot_id } = ids;
     ShotResult {
         v: shotfleet_schema::VERSION,
-        job_id: job.job_id.clone(),
-        project: job.project.clone(),
-        shot_id: job.shot_id.clone(),
+        job_id,
+        project,
+        shot_id,
         status,
         images: Vec::new(),
-        degrade: job.degrade,
+        degrade,
         worker: shared.config.worker_id.clone(),
         device: shared.device_name.clone(),
         attempt: attempt as u32,

@@ -6,7 +6,7 @@
 use bytes::Bytes;
 use shotfleet_schema::failure::{FailureReason, RecordFacts, RecordHeaders, one_line};
 use shotfleet_schema::subject::{self, Priority};
-use shotfleet_schema::{Failure, ResultStatus, ShotJob, ShotResult};
+use shotfleet_schema::{Failure, ResultStatus, ShotJob, ShotResult, encoding};
 
 use crate::worker::Shared;
 use crate::worker::commit::{self, Claim};
@@ -81,6 +81,14 @@ pub(crate) enum Recorded {
 /// Fails a job: the failed record first (the payload is then safe for a replay), then the
 /// `failed` outcome claimed on the job's result subject, then the sweep of its objects.
 pub(crate) async fn record(shared: &Shared, case: &Case<'_>, reason: FailureReason, detail: &str, attempts: u64) -> Recorded {
+    let ids = match case.job {
+        Some(job) => Some(job.ids()),
+        // A payload that did not decode may still name its job: its producer hears why.
+        None => subject::parse_job(case.original_subject)
+            .ok()
+            .and_then(|subject| encoding::read_ids(case.content_type, &case.payload, &subject.project)),
+    };
+    let ids = ids.filter(commit::names_a_subject);
     let facts = RecordFacts {
         reason,
         detail,
@@ -88,7 +96,7 @@ pub(crate) async fn record(shared: &Shared, case: &Case<'_>, reason: FailureReas
         attempts,
         deliveries: case.deliveries,
         worker: &shared.config.worker_id,
-        job_id: case.job.map(|j| j.job_id.as_str()),
+        job_id: ids.as_ref().map(|ids| ids.job_id.as_str()),
         content_type: case.content_type,
         stream_sequence: case.stream_sequence,
     };
@@ -96,15 +104,16 @@ pub(crate) async fn record(shared: &Shared, case: &Case<'_>, reason: FailureReas
         Ok(sequence) => sequence,
         Err(e) => return Recorded::NotStored(format!("failed record not stored: {e}")),
     };
-    let Some(job) = case.job.filter(|job| commit::names_a_subject(job)) else {
+    let Some(ids) = ids else {
         return Recorded::Failed;
     };
     let failure = Failure { reason: Some(reason), detail: one_line(detail, OUTCOME_DETAIL), attempts };
-    let outcome = commit::outcome_of(shared, job, case.deliveries, case.queued, ResultStatus::Failed, Some(failure));
+    let degrade = case.job.and_then(|job| job.degrade);
+    let outcome = commit::outcome_of(shared, ids, degrade, case.deliveries, case.queued, ResultStatus::Failed, Some(failure));
     match commit::claim(shared, &outcome, case.last_outcome, case.stream_sequence).await {
         Ok(Claim::Ours) => {
-            if let Err(e) = commit::sweep(shared, &job.project, &job.job_id, &[]).await {
-                tracing::warn!(job = %job.job_id, error = %e, "could not sweep a failed job's objects");
+            if let Err(e) = commit::sweep(shared, &outcome.project, &outcome.job_id, &[]).await {
+                tracing::warn!(job = %outcome.job_id, error = %e, "could not sweep a failed job's objects");
             }
             Recorded::Failed
         }

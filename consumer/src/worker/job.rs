@@ -202,9 +202,6 @@ fn decode(shared: &Shared, delivery: &Delivery) -> Result<ShotJob, Box<Rejected>
     let reject = |job, why| Box::new(Rejected { job, why });
     let job = encoding::decode_job(delivery.content_type().as_deref(), &delivery.message.payload)
         .map_err(|e| reject(None, InvalidJob::Decode(e)))?;
-    if let Err(e) = job.validate(&shared.config.limits) {
-        return Err(reject(Some(job), InvalidJob::Invalid(e)));
-    }
     let malformed = |path: &str, detail: String| InvalidJob::Decode(DecodeError::Malformed { format: "job", path: path.into(), detail });
     let subject_project = delivery.subject_project();
     if job.project != subject_project {
@@ -213,6 +210,9 @@ fn decode(shared: &Shared, delivery: &Delivery) -> Result<ShotJob, Box<Rejected>
         // producer of one project never writes outcomes into another's.
         let job = ShotJob { project: subject_project.to_string(), ..job };
         return Err(reject(Some(job), malformed("project", detail)));
+    }
+    if let Err(e) = job.validate(&shared.config.limits) {
+        return Err(reject(Some(job), InvalidJob::Invalid(e)));
     }
     Ok(job)
 }
@@ -287,7 +287,7 @@ pub(crate) async fn commit_output(shared: &Shared, taken: &Taken, output: Render
         tokio::time::sleep(stall).await;
     }
     let status = if job.degrade.is_some() { ResultStatus::Degraded } else { ResultStatus::Done };
-    let mut result = commit::outcome_of(shared, job, delivery.attempt, delivery.queued, status, None);
+    let mut result = commit::outcome_of(shared, job.ids(), job.degrade, delivery.attempt, delivery.queued, status, None);
     result.images = uploaded.images;
     result.timing.render_ms = elapsed.as_millis() as u64;
     result.timing.upload_ms = upload_started.elapsed().as_millis() as u64;
