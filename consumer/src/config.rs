@@ -481,6 +481,7 @@ impl WorkerConfig {
             return Err(bad("calibration.steps", "must be at least 1"));
         }
         self.lora.validate().map_err(|(setting, message)| bad(setting, message))?;
+        self.limits.check().map_err(|(field, message)| bad(&format!("limits.{field}"), message))?;
         Ok(())
     }
 

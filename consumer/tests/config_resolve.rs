@@ -89,6 +89,19 @@ fn bad_settings_are_named() {
     assert!(e.contains("max_fill"), "{e}");
     let e = error(&cpu("", "[calibration]\nshapes = [[64, 64, 1]]\n"), &with_model, Overrides::default());
     assert!(e.contains("calibration.shapes"), "{e}");
+    // Bounds that would fail every job as `invalid`, never retried, are refused at start.
+    for (limits, needle) in [
+        ("max_megapixel_steps = 0", "limits.max_megapixel_steps"),
+        ("min_side = 4096\nmax_side = 64", "limits.max_side"),
+        ("max_steps = 0", "limits.max_steps"),
+        ("max_guidance = -1.0", "limits.max_guidance"),
+        ("min_side = 12", "limits.min_side"),
+    ] {
+        let e = error(&cpu("", &format!("[limits]\n{limits}\n")), &with_model, Overrides::default());
+        assert!(e.contains(needle), "{limits}: {e}");
+    }
+    let e = error("device = \"cpu\"\n[budget.simulate]\ntotal_mib = 18446744073709551615\n", &with_model, Overrides::default());
+    assert!(e.contains("simulate.total_mib") && e.contains("outside"), "{e}");
     // CUDA options and the CUDA arena fault belong to CUDA workers; a typo'd option is named.
     let e = error(&cpu("", "[cuda.unet]\nfuse_conv_bias = true\n"), &with_model, Overrides::default());
     assert!(e.contains("cuda") && e.contains("remove the [cuda.*] tables"), "{e}");

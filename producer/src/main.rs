@@ -116,14 +116,14 @@ struct StatusArgs {
     #[arg(long)]
     watch: bool,
     /// Follow only this project's progress events (a producer may read no other's).
-    #[arg(long, env = "SHOTFLEET_PROJECT")]
+    #[arg(long, env = "SHOTFLEET_PROJECT", value_parser = parse_project)]
     project: Option<String>,
 }
 
 #[derive(Args)]
 struct CancelArgs {
     /// The project of the jobs.
-    #[arg(long, env = "SHOTFLEET_PROJECT")]
+    #[arg(long, env = "SHOTFLEET_PROJECT", value_parser = parse_project)]
     project: String,
     /// Jobs to cancel; none: every unfinished job of the project (or of --shot).
     #[arg(value_name = "JOB")]
@@ -142,7 +142,7 @@ struct CancelArgs {
 #[derive(Args)]
 struct GalleryArgs {
     /// The project.
-    #[arg(long, env = "SHOTFLEET_PROJECT")]
+    #[arg(long, env = "SHOTFLEET_PROJECT", value_parser = parse_project)]
     project: String,
     /// Folder for index.html [default: gallery-<project>].
     #[arg(long)]
@@ -244,7 +244,7 @@ struct ReplayArgs {
     #[arg(long = "reason", value_name = "REASON")]
     reasons: Vec<FailureReason>,
     /// Only records of this project (repeatable).
-    #[arg(long = "project", value_name = "PROJECT")]
+    #[arg(long = "project", value_name = "PROJECT", value_parser = parse_project)]
     projects: Vec<String>,
     /// Only the records of this job (repeatable).
     #[arg(long = "job", value_name = "JOB_ID")]
@@ -262,6 +262,16 @@ struct ReplayArgs {
 
 fn parse_duration(text: &str) -> Result<Duration, String> {
     shotfleet_schema::nats::topology::parse_duration(text)
+}
+
+/// A project as jobs name it: it becomes subject tokens, object keys and, for `gallery`, a
+/// folder name, so `a/b` or `*` is refused here rather than matching or writing elsewhere.
+fn parse_project(text: &str) -> Result<String, String> {
+    use shotfleet_schema::validate::{MAX_PROJECT_BYTES, id_problem};
+    match id_problem(text, MAX_PROJECT_BYTES) {
+        Some(problem) => Err(format!("a project name {problem}")),
+        None => Ok(text.to_owned()),
+    }
 }
 
 /// A failure and the exit code it maps to.

@@ -52,6 +52,50 @@ impl Default for Limits {
     }
 }
 
+impl Limits {
+    /// Whether these bounds leave jobs to render: a worker's `[limits]` are checked at start,
+    /// so that a slip (`max_steps = 0`, `max_side` below `min_side`) does not fail every job
+    /// as `invalid`, which is never retried.
+    ///
+    /// # Errors
+    /// The field and what is wrong with it.
+    pub fn check(&self) -> Result<(), (&'static str, String)> {
+        if self.min_side < 8 || self.min_side % 8 != 0 {
+            return Err(("min_side", format!("{} must be a positive multiple of 8", self.min_side)));
+        }
+        if self.max_side < self.min_side || self.max_side > 16_384 {
+            return Err(("max_side", format!("{} must lie in min_side ({})..=16384", self.max_side, self.min_side)));
+        }
+        for (field, value) in [("max_steps", self.max_steps), ("max_images", self.max_images)] {
+            if value == 0 {
+                return Err((field, "must be at least 1".into()));
+            }
+        }
+        if !self.min_guidance.is_finite() || !self.max_guidance.is_finite() || self.max_guidance < self.min_guidance {
+            let (min, max) = (self.min_guidance, self.max_guidance);
+            return Err(("max_guidance", format!("min_guidance {min} ..= max_guidance {max} must be finite and not empty")));
+        }
+        if self.max_prompt_bytes == 0 {
+            return Err(("max_prompt_bytes", "must be at least 1".into()));
+        }
+        if !(self.max_lora_weight.is_finite() && self.max_lora_weight >= 0.0) {
+            return Err(("max_lora_weight", format!("{} must be finite and not negative", self.max_lora_weight)));
+        }
+        // The cheapest job the other bounds allow must fit the cost bound.
+        let cheapest = f64::from(self.min_side).powi(2) / 1e6;
+        if f64::from(self.max_megapixel_steps) < cheapest {
+            return Err((
+                "max_megapixel_steps",
+                format!(
+                    "{} admits no job: one {}x{} image at one step is {cheapest:.2} megapixel-steps",
+                    self.max_megapixel_steps, self.min_side, self.min_side
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// Longest id (job, project, shot, LoRA name), bytes.
 pub const MAX_ID_BYTES: usize = 96;
 /// Longest project name: it is a subject token and an object key part on every job.

@@ -175,4 +175,8 @@ async fn the_sheet_reads_images_from_an_s3_store_with_the_workers_url() {
     let out = shotfleet_with(&server.url(), &env, &["gallery", "--project", "s3p", "--store", "s3://key:secret@sheets/renders"]).await;
     assert_eq!(out.status.code(), Some(2), "{}", text(&out));
     assert!(text(&out).contains("AWS_ACCESS_KEY_ID") && !text(&out).contains("secret@"), "{}", text(&out));
+    // A project that is no project name writes no folder (`gallery-a/b` was made) and says why.
+    let out = shotfleet_with(&server.url(), &env, &["gallery", "--project", "a/b", "--store", "s3://sheets/renders"]).await;
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    assert!(text(&out).contains("a project name contains '/'"), "{}", text(&out));
 }

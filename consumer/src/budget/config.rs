@@ -80,6 +80,9 @@ impl Default for BudgetConfig {
     }
 }
 
+/// The most a simulated card may hold, MiB (1 TiB).
+const SIMULATED_MAX_MIB: u64 = 1 << 20;
+
 /// A "GPU" of `total_mib` whose used memory is this process's resident memory plus
 /// `others_used_mib` that other processes are pretending to hold.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -146,8 +149,10 @@ impl BudgetConfig {
             });
         }
         if let Some(sim) = &self.simulate {
-            if sim.total_mib == 0 {
-                return Err(ConfigError { field: "simulate.total_mib", message: "must be positive".into() });
+            // The largest card sold holds 192 GiB; a simulation far above any is a slip (and
+            // its bytes would overflow).
+            if sim.total_mib == 0 || sim.total_mib > SIMULATED_MAX_MIB {
+                return Err(ConfigError { field: "simulate.total_mib", message: format!("{} is outside 1..={SIMULATED_MAX_MIB}", sim.total_mib) });
             }
             if sim.others_used_mib >= sim.total_mib {
                 return Err(ConfigError {
