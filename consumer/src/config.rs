@@ -482,6 +482,7 @@ impl WorkerConfig {
         }
         self.lora.validate().map_err(|(setting, message)| bad(setting, message))?;
         self.limits.check().map_err(|(field, message)| bad(&format!("limits.{field}"), message))?;
+        self.nats.addresses().map_err(|e| bad("nats.server (NATS_URL, --server)", e.to_string()))?;
         Ok(())
     }
 
@@ -498,6 +499,7 @@ impl WorkerConfig {
                  SHOTFLEET_STORE=file:///var/lib/shotfleet/images",
             ));
         }
+        self.store.location().map_err(|e| bad("store.url (SHOTFLEET_STORE, --store)", e.to_string()))?;
         Ok(())
     }
 

@@ -102,6 +102,15 @@ fn bad_settings_are_named() {
     }
     let e = error("device = \"cpu\"\n[budget.simulate]\ntotal_mib = 18446744073709551615\n", &with_model, Overrides::default());
     assert!(e.contains("simulate.total_mib") && e.contains("outside"), "{e}");
+    // Addresses that can never work are configuration errors (exit 2), not failed starts.
+    let e = error(&cpu("", "[nats]\nserver = \"http://nats:4222\"\n"), &with_model, Overrides::default());
+    assert!(e.contains("nats.server") && e.contains("invalid scheme"), "{e}");
+    for (url, needle) in [("gs://renders/x", "unknown scheme `gs`"), ("file://relative/x", "absolute path")] {
+        let (_dir, path) = write(&cpu("", &format!("[store]\nurl = \"{url}\"\n")));
+        let config = WorkerConfig::resolve(Some(&path), &env(&with_model), Overrides::default()).unwrap();
+        let e = config.require_store().unwrap_err().to_string();
+        assert!(e.contains("store.url") && e.contains(needle), "{url}: {e}");
+    }
     // CUDA options and the CUDA arena fault belong to CUDA workers; a typo'd option is named.
     let e = error(&cpu("", "[cuda.unet]\nfuse_conv_bias = true\n"), &with_model, Overrides::default());
     assert!(e.contains("cuda") && e.contains("remove the [cuda.*] tables"), "{e}");

@@ -64,6 +64,15 @@ impl Default for StoreConfig {
     }
 }
 
+/// Where a store's URL points.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Location {
+    /// A local folder (`file:///...`).
+    Folder(PathBuf),
+    /// A bucket and the key prefix inside it (`s3://bucket/prefix`).
+    Bucket { bucket: String, prefix: Path },
+}
+
 /// A store ready to use: the client, the key prefix inside it, and a description for messages.
 pub(crate) struct Opened {
     pub inner: Arc<dyn ObjectStore>,
@@ -84,6 +93,19 @@ impl StoreConfig {
         K: AsRef<str>,
         V: Into<String>,
     {
+        match self.location()? {
+            Location::Folder(root) => self.open_local(root),
+            Location::Bucket { bucket, prefix } => self.open_s3(&bucket, prefix, env),
+        }
+    }
+
+    /// Reads the URL and the retry settings without touching anything: what a worker's
+    /// configuration check runs, so that a mistyped URL is a configuration error (exit 2),
+    /// not a failed start that a supervisor retries.
+    ///
+    /// # Errors
+    /// [`StoreError::Url`] or the retry settings' error, saying what to write instead.
+    pub fn location(&self) -> Result<Location, StoreError> {
         self.retry.validate()?;
         let url_error = |reason: &str| StoreError::Url { url: redact_url(&self.url), reason: reason.into() };
         if self.url.trim().is_empty() {
@@ -101,8 +123,7 @@ impl StoreConfig {
                 if url.host_str().is_some_and(|h| !h.is_empty()) || !self.url.starts_with("file:///") {
                     return Err(url_error("a local folder needs an absolute path: file:///var/lib/shotfleet/images"));
                 }
-                let root = url.to_file_path().map_err(|()| url_error("is not a local path"))?;
-                self.open_local(root)
+                url.to_file_path().map(Location::Folder).map_err(|()| url_error("is not a local path"))
             }
             "s3" => {
                 let bucket = url.host_str().unwrap_or_default();
@@ -111,7 +132,7 @@ impl StoreConfig {
                 }
                 let prefix = Path::parse(url.path())
                     .map_err(|e| url_error(&format!("prefix is not a valid key prefix: {e}")))?;
-                self.open_s3(bucket, prefix, env)
+                Ok(Location::Bucket { bucket: bucket.to_owned(), prefix })
             }
             other => {
                 Err(url_error(&format!("unknown scheme `{other}`; expected file:///folder or s3://bucket/prefix")))

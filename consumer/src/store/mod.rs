@@ -27,7 +27,7 @@ use object_store::path::Path;
 use object_store::{Attribute, Attributes, ObjectStore, ObjectStoreExt, PutOptions, PutPayload};
 use tracing::info;
 
-pub use config::StoreConfig;
+pub use config::{Location, StoreConfig};
 pub use error::{Op, StoreError, StoreErrorKind};
 pub use retry::RetryConfig;
 
