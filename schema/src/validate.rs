@@ -60,7 +60,7 @@ impl Limits {
     /// # Errors
     /// The field and what is wrong with it.
     pub fn check(&self) -> Result<(), (&'static str, String)> {
-        if self.min_side < 8 || self.min_side % 8 != 0 {
+        if self.min_side < 8 || !self.min_side.is_multiple_of(8) {
             return Err(("min_side", format!("{} must be a positive multiple of 8", self.min_side)));
         }
         if self.max_side < self.min_side || self.max_side > 16_384 {
