@@ -284,8 +284,22 @@ fn server(e: impl Into<anyhow::Error>) -> Failure {
     Failure(3, e.into())
 }
 
+/// Lets a closed pipe end the command quietly, as `head` or `grep -q` expect of any Unix tool
+/// (exit 141 in the shell). Rust starts with SIGPIPE ignored, so the first `println!` after
+/// the reader left panicked (exit 101, "failed printing to stdout").
+fn end_quietly_on_closed_pipes() {
+    use nix::sys::signal::{SigHandler, Signal, signal};
+    // SAFETY: the default disposition installs no handler that could run at an unsafe moment.
+    // Sockets are unaffected: Rust writes to them with MSG_NOSIGNAL, so a NATS or store
+    // connection that drops still gives an error, not the signal.
+    if let Err(e) = unsafe { signal(Signal::SIGPIPE, SigHandler::SigDfl) } {
+        tracing::debug!(error = %e, "SIGPIPE keeps Rust's disposition");
+    }
+}
+
 #[tokio::main]
 async fn main() -> ExitCode {
+    end_quietly_on_closed_pipes();
     tracing_subscriber::fmt()
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()))

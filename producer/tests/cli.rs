@@ -309,3 +309,24 @@ async fn status_shows_pending_per_priority_and_class() {
     assert!(row("render-p1-xs ").split_whitespace().nth(1) == Some("4"), "{table}");
     assert!(table.contains("failed: 0"), "{table}");
 }
+
+#[tokio::test]
+async fn a_reader_that_leaves_ends_the_command_quietly() {
+    use std::os::unix::process::ExitStatusExt;
+    let server = NatsServer::start();
+    shotfleet(&server.url(), &["setup"]).await;
+    // `shotfleet submit board | head -1`, with a reader that left before the first line.
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_shotfleet"))
+        .args(["submit", demo_storyboard().to_str().unwrap()])
+        .env("NATS_URL", server.url())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(child.stdout.take());
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert_eq!(out.status.signal(), Some(13), "ended by SIGPIPE, as `head` expects: {:?} {stderr}", out.status);
+    assert_eq!(jobs_in_stream(&server).await, 9, "the jobs were queued before the output");
+}
