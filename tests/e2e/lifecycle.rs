@@ -284,6 +284,24 @@ async fn a_deleted_bucket_stops_the_worker_and_fails_no_job() {
     assert_eq!(result.status, ResultStatus::Done);
 }
 
+#[tokio::test]
+async fn a_store_folder_that_a_file_replaced_stops_the_worker_and_fails_no_job() {
+    let server = NatsServer::start();
+    let js = jetstream_with(&server.url(), &Topology::default()).await;
+    let scratch = tempfile::tempdir().unwrap();
+    let store = scratch.path().join("images");
+    let mut worker = Worker::start(&server.url(), WorkerSpec::new("displaced", &store));
+    std::fs::remove_dir_all(&store).unwrap();
+    std::fs::write(&store, b"not a folder").unwrap();
+    let j = shot(Priority::P1, job("no-folder-1", "acme", (64, 64), 2, 1));
+    submit(&js, std::slice::from_ref(&j)).await;
+    // "Not a directory" is no failure a retry mends: not eight retries and a failed attempt for
+    // every job, but the worker's stop, its jobs given back.
+    let status = worker.wait_exit(Duration::from_secs(30)).expect("the worker stops");
+    assert_eq!(status.code(), Some(77), "EXIT_STORE:\n{}", worker.log());
+    assert!(failed_records(&js).await.is_empty(), "no job pays for the store");
+}
+
 /// Four 256x256 jobs queued before a one-slot worker with `batch_jobs` starts, uploads of
 /// seconds (a noise PNG through S3 at 64 KiB/s), renders of a fraction: the lines naming a
 /// render's end (`ended_by`) that the worker logged before its first commit.

@@ -103,7 +103,8 @@ impl StoreError {
 /// object_store maps the HTTP statuses it understands to variants (404, 403, 401, 409, 412) and
 /// reports everything else as `Generic` without a public status: what arrives there is a transport
 /// failure, a 5xx or 429 its client would itself retry, or a local I/O error. All of those are worth
-/// another try within a bounded budget, except a local permission or read-only failure.
+/// another try within a bounded budget, except a local permission or read-only failure, or a
+/// store folder that a file has taken the place of (no retry brings it back).
 pub(crate) fn classify(op: Op, error: &object_store::Error) -> StoreErrorKind {
     use object_store::Error as E;
     match error {
@@ -113,7 +114,11 @@ pub(crate) fn classify(op: Op, error: &object_store::Error) -> StoreErrorKind {
         E::NotFound { .. } if op != Op::Get => StoreErrorKind::Permanent,
         E::NotFound { .. } => StoreErrorKind::NotFound,
         E::Generic { .. } => match io_error_kind(error) {
-            Some(std::io::ErrorKind::PermissionDenied | std::io::ErrorKind::ReadOnlyFilesystem) => {
+            Some(
+                std::io::ErrorKind::PermissionDenied
+                | std::io::ErrorKind::ReadOnlyFilesystem
+                | std::io::ErrorKind::NotADirectory,
+            ) => {
                 StoreErrorKind::Permanent
             }
             _ => StoreErrorKind::Transient,
@@ -175,6 +180,7 @@ mod tests {
     fn local_permission_failures_are_permanent_others_transient() {
         assert_eq!(classify(Op::Put, &io(std::io::ErrorKind::PermissionDenied)), StoreErrorKind::Permanent);
         assert_eq!(classify(Op::Put, &io(std::io::ErrorKind::ReadOnlyFilesystem)), StoreErrorKind::Permanent);
+        assert_eq!(classify(Op::Put, &io(std::io::ErrorKind::NotADirectory)), StoreErrorKind::Permanent);
         assert_eq!(classify(Op::Put, &io(std::io::ErrorKind::StorageFull)), StoreErrorKind::Transient);
     }
 
