@@ -72,7 +72,7 @@ use crate::telemetry::{self, Health};
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum WorkerError {
-    #[error("cannot {step}: {detail}")]
+    #[error("cannot {step}{}{detail}", if detail.is_empty() { "" } else { ": " })]
     Start { step: String, detail: String },
     /// The GPU or its driver failed; the process must be restarted (`EXIT_DRIVER_FAULT`).
     #[error("driver fault: {0}")]
@@ -117,8 +117,14 @@ impl WorkerError {
 }
 
 impl WorkerError {
+    /// A start-up `step` that failed with `e`: "cannot {step}: {e}", or `e` alone where it
+    /// already says so ("cannot connect to NATS at ...": the step is not said twice).
     pub(crate) fn start(step: &str, e: impl std::fmt::Display) -> Self {
-        Self::Start { step: step.to_owned(), detail: e.to_string() }
+        let detail = e.to_string();
+        match detail.strip_prefix(&format!("cannot {step}")) {
+            Some(rest) => Self::Start { step: format!("{step}{rest}"), detail: String::new() },
+            None => Self::Start { step: step.to_owned(), detail },
+        }
     }
 }
 
@@ -699,5 +705,13 @@ mod tests {
         assert!(quick.load(std::sync::atomic::Ordering::SeqCst));
         assert!(!long.load(std::sync::atomic::Ordering::SeqCst));
         assert!(abort.is_cancelled());
+    }
+
+    #[test]
+    fn a_start_error_says_its_step_once() {
+        let twice = WorkerError::start("connect to NATS", "cannot connect to NATS at nats://h:4222: refused");
+        assert_eq!(twice.to_string(), "cannot connect to NATS at nats://h:4222: refused");
+        let once = WorkerError::start("open the object store", "bucket gone");
+        assert_eq!(once.to_string(), "cannot open the object store: bucket gone");
     }
 }
