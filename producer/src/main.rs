@@ -131,8 +131,8 @@ struct CancelArgs {
     /// Only the jobs of this shot.
     #[arg(long, conflicts_with = "jobs")]
     shot: Option<String>,
-    /// Who cancels, as the outcome will say [default: $USER].
-    #[arg(long)]
+    /// Who cancels, as the outcome will say (neither given nor in USER: "shotfleet cancel").
+    #[arg(long, env = "USER")]
     by: Option<String>,
     /// How long to wait for the fleet's answer.
     #[arg(long, default_value = "15s", value_parser = parse_duration)]
@@ -610,7 +610,7 @@ async fn show_status(options: &NatsOptions, args: StatusArgs) -> Result<u8, Fail
 async fn cancel_jobs(options: &NatsOptions, args: CancelArgs) -> Result<u8, Failure> {
     let selection = cancel::Selection { project: args.project, jobs: args.jobs, shot: args.shot };
     selection.validate().map_err(|e| bad_input(anyhow::anyhow!(e)))?;
-    let by = args.by.or_else(|| std::env::var("USER").ok()).unwrap_or_else(|| "shotfleet cancel".into());
+    let by = args.by.filter(|by| !by.trim().is_empty()).unwrap_or_else(|| "shotfleet cancel".into());
     let js = connect(options).await?;
     let reply = cancel::cancel(&js.client(), &selection, &by, args.timeout).await.map_err(server)?;
     println!("{:<24} {:<12} {:<17} {:>7}  detail", "job", "shot", "result", "removed");
