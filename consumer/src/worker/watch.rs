@@ -9,7 +9,7 @@
 use std::time::SystemTime;
 
 use futures::StreamExt;
-use shotfleet_schema::{ShotJob, subject};
+use shotfleet_schema::{ResultStatus, ShotJob, subject};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
@@ -54,8 +54,9 @@ impl OutcomeWatch {
         let task = tokio::spawn(async move {
             while outcomes.next().await.is_some() {
                 match commit::last_outcome_in(&results, &project, &job_id).await {
-                    // This worker's own result: the job is done here, nothing to stop.
-                    Ok(Some(outcome)) if outcome.result.is_rendered() && outcome.result.worker == worker => return,
+                    // This worker's own result or failure: the job ended here, nothing to stop. (A
+                    // cancellation stops the work whoever wrote it, this worker included.)
+                    Ok(Some(outcome)) if outcome.result.worker == worker && outcome.result.status != ResultStatus::Cancelled => return,
                     Ok(Some(outcome)) if outcome.settles(published) => {
                         announce(&job_id, &outcome);
                         token.cancel();
