@@ -67,7 +67,7 @@ struct Cli {
 #[tokio::main]
 async fn main() -> ExitCode {
     let cli = Cli::parse();
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info,ort=warn".into());
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info,ort=error".into());
     if cli.plain_logs {
         // Colours only for a person at a terminal: a log file or journal gets plain text.
         let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
