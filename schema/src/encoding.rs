@@ -174,8 +174,15 @@ pub fn decode<T: DeserializeOwned>(
                 return Err(DecodeError::ByteOrderMark);
             }
             let mut de = serde_json::Deserializer::from_slice(payload);
-            let value = serde_path_to_error::deserialize(&mut de)
-                .map_err(|e| malformed("JSON", e))?;
+            let value = serde_path_to_error::deserialize(&mut de).map_err(|e| match malformed("JSON", e) {
+                // A MessagePack map starts 0x80..=0x8f, 0xde or 0xdf, never JSON: say which header it lacks.
+                DecodeError::Malformed { format, path, detail } if matches!(payload[0], 0x80..=0x8f | 0xde | 0xdf) => DecodeError::Malformed {
+                    format,
+                    path,
+                    detail: format!("{detail} (this looks like MessagePack: send it with `{HEADER}: application/msgpack`)"),
+                },
+                other => other,
+            })?;
             de.end().map_err(|e| DecodeError::Malformed {
                 format: "JSON",
                 path: ".".into(),

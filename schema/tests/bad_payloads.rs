@@ -72,6 +72,7 @@ fn decode_errors_are_specific() {
     check("not json", None, b"prompt=a cat", Expect::Decode("malformed JSON"));
     check("unknown content type", Some("text/yaml"), GOOD.as_bytes(), Expect::Decode("Content-Type"));
     check("json sent as msgpack", Some("application/msgpack"), GOOD.as_bytes(), Expect::Decode("MessagePack"));
+    check("msgpack sent as json", None, &full, Expect::Decode("send it with `Content-Type: application/msgpack`"));
 
     let mut big = good.clone();
     big["prompt"] = serde_json::Value::String("x".repeat(10 * 1024 * 1024));
