@@ -158,7 +158,7 @@ fn the_binary_refuses_bad_config_with_exit_code_2() {
 }
 
 #[test]
-fn per_graph_cuda_options_default_to_onnx_runtimes_own() {
+fn per_graph_cuda_options_but_the_search_default_to_onnx_runtimes_own() {
     let config: WorkerConfig = toml::from_str("[cuda.unet]\nconv_algo_search = \"exhaustive\"\nmem_pattern = false\n").unwrap();
     assert_eq!(config.cuda.unet.conv_algo_search, ConvSearch::Exhaustive, "set: as set");
     assert!(!config.cuda.unet.mem_pattern);

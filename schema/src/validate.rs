@@ -297,9 +297,13 @@ impl Checker {
 
     fn side(&mut self, field: &str, value: u32, limits: &Limits) {
         if !value.is_multiple_of(8) || value == 0 {
-            // The nearest multiple of 64: SDXL's sizes are, and every model's side multiple (8
-            // times its UNet's, 16 or 32) divides it, where a multiple of 8 may be refused.
-            let nearest = (value.saturating_add(32) / 64 * 64).clamp(limits.min_side.div_ceil(64) * 64, limits.max_side / 64 * 64);
+            // The nearest multiple of 64 within the limits: SDXL's sizes are, and every model's
+            // side multiple (8 times its UNet's, 16 or 32) divides it, where a multiple of 8 may
+            // be refused. Limits with no multiple of 64 between them get the nearest bound.
+            let (low, high) = (limits.min_side.div_ceil(64) * 64, limits.max_side / 64 * 64);
+            let nearest = value.saturating_add(32) / 64 * 64;
+            // max then min, never clamp: bounds in the wrong order must not panic a worker.
+            let nearest = if low <= high { nearest.max(low).min(high) } else { nearest.max(limits.min_side).min(limits.max_side) };
             self.fail(field, format!("{value} must be a positive multiple of 8 (e.g. {nearest})"));
         } else if value < limits.min_side || value > limits.max_side {
             self.fail(

@@ -116,6 +116,10 @@ fn validation_errors_name_the_field() {
     check("empty prompt", None, &json_with("prompt", "\"   \""), Expect::Field("prompt", "empty"));
     check("long prompt", None, &json_with("prompt", &format!("\"{}\"", "p".repeat(9000))), Expect::Field("prompt", "bytes"));
     check("not multiple of 8", None, &json_with("width", "513"), Expect::Field("width", "multiple of 8 (e.g. 512)"));
+    // Limits with no multiple of 64 between them (a worker's [limits]) still give a hint, no panic.
+    let narrow = Limits { min_side: 1000, max_side: 1000, ..Limits::default() };
+    let e = parse_job(None, &json_with("width", "1001"), &narrow).unwrap_err().to_string();
+    assert!(e.contains("1001 must be a positive multiple of 8 (e.g. 1000)"), "{e}");
     check("zero size", None, &json_with("height", "0"), Expect::Field("height", "positive multiple of 8 (e.g. 64)"));
     check("100000 px", None, &json_with("width", "100000"), Expect::Field("width", "outside"));
     check("zero steps", None, &json_with("steps", "0"), Expect::Field("steps", "outside"));

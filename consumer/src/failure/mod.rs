@@ -104,6 +104,12 @@ impl JobError {
     }
 }
 
+/// How a failed start-up step reads: "cannot {step}: {detail}", or `detail` alone where it
+/// already says so ("cannot connect to NATS at ...": the step is not said twice).
+pub(crate) fn cannot(step: &str, detail: &str) -> String {
+    if detail.starts_with(&format!("cannot {step}")) { detail.to_owned() } else { format!("cannot {step}: {detail}") }
+}
+
 /// Exit status for a configuration the worker cannot start with (clap's usage errors exit 2
 /// too): restarting will not help until a person fixes it. systemd:
 /// `RestartPreventExitStatus=2`.

@@ -410,7 +410,8 @@ fn configure_device(
             let tuning = match role {
                 Role::Unet => config.unet,
                 Role::Vae => config.vae,
-                Role::Plain => super::CudaTuning::default(),
+                // The text encoders and the step graphs: ONNX Runtime's defaults (no convolutions).
+                Role::Plain => super::CudaTuning { conv_algo_search: ConvSearch::Exhaustive, ..Default::default() },
             };
             let search = match tuning.conv_algo_search {
                 ConvSearch::Exhaustive => ConvAlgorithmSearch::Exhaustive,

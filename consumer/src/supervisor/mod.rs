@@ -46,7 +46,7 @@ pub enum BoxError {
     #[error("configuration: {0}")]
     Config(String),
     /// A start-up step (listing the GPUs, writing the workers' files, the health port): exit 3.
-    #[error("cannot {step}: {detail}")]
+    #[error("{}", crate::failure::cannot(step, detail))]
     Start { step: String, detail: String },
     /// Every GPU's worker stopped in a way a restart cannot mend.
     #[error("no GPU has a worker left: {detail}")]

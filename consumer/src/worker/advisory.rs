@@ -61,21 +61,7 @@ async fn rescue(shared: &Shared, advisory: MaxDeliveries) {
     let content_type = message.headers.get(encoding::HEADER).map(|v| v.as_str().to_owned());
     let job = encoding::decode_job(content_type.as_deref(), &message.payload).ok();
     let published: SystemTime = message.time.into();
-    let mut last_outcome = 0;
-    if let Some(job) = job.as_ref().filter(|job| commit::names_a_subject(&job.ids())) {
-        match commit::last_outcome(shared, &job.project, &job.job_id).await {
-            Ok(Some(outcome)) if outcome.settles(published) => {
-                remove(&stream, advisory.stream_seq, &job.job_id, "job past max deliveries already has its outcome; removed").await;
-                return;
-            }
-            Ok(last) => last_outcome = last.map_or(0, |o| o.sequence),
-            Err(e) => {
-                tracing::warn!(seq = advisory.stream_seq, error = %e, "cannot rescue a job past max deliveries now; it stays in the stream");
-                return;
-            }
-        }
-    }
-    let case = Case {
+    let mut case = Case {
         payload: message.payload.clone(),
         content_type: content_type.as_deref(),
         original_subject: message.subject.as_str(),
@@ -83,8 +69,21 @@ async fn rescue(shared: &Shared, advisory: MaxDeliveries) {
         deliveries: advisory.deliveries,
         queued: SystemTime::now().duration_since(published).unwrap_or_default(),
         job: job.as_ref(),
-        last_outcome,
+        last_outcome: 0,
     };
+    if let Some(ids) = case.ids() {
+        match commit::last_outcome(shared, &ids.project, &ids.job_id).await {
+            Ok(Some(outcome)) if outcome.settles(published) => {
+                remove(&stream, advisory.stream_seq, &ids.job_id, "job past max deliveries already has its outcome; removed").await;
+                return;
+            }
+            Ok(last) => case.last_outcome = last.map_or(0, |o| o.sequence),
+            Err(e) => {
+                tracing::warn!(seq = advisory.stream_seq, error = %e, "cannot rescue a job past max deliveries now; it stays in the stream");
+                return;
+            }
+        }
+    }
     let detail = format!(
         "no worker settled it in {} deliveries, the consumer's max_deliver (workers died on it, or gave it back each time)",
         advisory.deliveries

@@ -6,7 +6,7 @@
 use bytes::Bytes;
 use shotfleet_schema::failure::{FailureReason, RecordFacts, RecordHeaders, one_line};
 use shotfleet_schema::subject::{self, Priority};
-use shotfleet_schema::{Failure, ResultStatus, ShotJob, ShotResult, encoding};
+use shotfleet_schema::{Failure, JobIds, ResultStatus, ShotJob, ShotResult, encoding};
 
 use crate::worker::Shared;
 use crate::worker::commit::{self, Claim};
@@ -66,6 +66,21 @@ pub(crate) struct Case<'a> {
     pub last_outcome: u64,
 }
 
+impl Case<'_> {
+    /// The ids its outcome goes under, if it can have one. Always in the project the job was
+    /// published under, whatever its payload says: a producer of one project never writes (or
+    /// sweeps) another's. A payload that did not decode may still name its job, so that its
+    /// producer hears why.
+    pub fn ids(&self) -> Option<JobIds> {
+        let project = subject::parse_job(self.original_subject).ok()?.project;
+        let ids = match self.job {
+            Some(job) => JobIds { project, ..job.ids() },
+            None => encoding::read_ids(self.content_type, &self.payload, &project)?,
+        };
+        commit::names_a_subject(&ids).then_some(ids)
+    }
+}
+
 /// What failing a job came to.
 pub(crate) enum Recorded {
     /// The failed record is stored, and the job's `failed` outcome too when its ids name a
@@ -81,14 +96,7 @@ pub(crate) enum Recorded {
 /// Fails a job: the failed record first (the payload is then safe for a replay), then the
 /// `failed` outcome claimed on the job's result subject, then the sweep of its objects.
 pub(crate) async fn record(shared: &Shared, case: &Case<'_>, reason: FailureReason, detail: &str, attempts: u64) -> Recorded {
-    let ids = match case.job {
-        Some(job) => Some(job.ids()),
-        // A payload that did not decode may still name its job: its producer hears why.
-        None => subject::parse_job(case.original_subject)
-            .ok()
-            .and_then(|subject| encoding::read_ids(case.content_type, &case.payload, &subject.project)),
-    };
-    let ids = ids.filter(commit::names_a_subject);
+    let ids = case.ids();
     let facts = RecordFacts {
         reason,
         detail,

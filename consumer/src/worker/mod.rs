@@ -72,7 +72,7 @@ use crate::telemetry::{self, Health};
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum WorkerError {
-    #[error("cannot {step}{}{detail}", if detail.is_empty() { "" } else { ": " })]
+    #[error("{}", crate::failure::cannot(step, detail))]
     Start { step: String, detail: String },
     /// The GPU or its driver failed; the process must be restarted (`EXIT_DRIVER_FAULT`).
     #[error("driver fault: {0}")]
@@ -117,14 +117,8 @@ impl WorkerError {
 }
 
 impl WorkerError {
-    /// A start-up `step` that failed with `e`: "cannot {step}: {e}", or `e` alone where it
-    /// already says so ("cannot connect to NATS at ...": the step is not said twice).
     pub(crate) fn start(step: &str, e: impl std::fmt::Display) -> Self {
-        let detail = e.to_string();
-        match detail.strip_prefix(&format!("cannot {step}")) {
-            Some(rest) => Self::Start { step: format!("{step}{rest}"), detail: String::new() },
-            None => Self::Start { step: step.to_owned(), detail },
-        }
+        Self::Start { step: step.to_owned(), detail: e.to_string() }
     }
 }
 

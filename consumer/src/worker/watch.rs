@@ -9,7 +9,7 @@
 use std::time::SystemTime;
 
 use futures::StreamExt;
-use shotfleet_schema::{ResultStatus, ShotJob, subject};
+use shotfleet_schema::{ShotJob, subject};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
@@ -44,19 +44,25 @@ impl OutcomeWatch {
     /// Starts watching for an outcome that settles the job message published at `published`,
     /// on a subscription made before the take looked the outcome up (so nothing stored since
     /// that look-up goes unseen, and it need not be repeated here).
-    pub fn start(shared: &Shared, job: &ShotJob, published: SystemTime, subscribed: Subscribed) -> Self {
+    /// `stream_sequence` is the delivery's: the outcome this delivery itself commits (its result
+    /// or its failure) ends the watch quietly.
+    pub fn start(shared: &Shared, job: &ShotJob, published: SystemTime, stream_sequence: u64, subscribed: Subscribed) -> Self {
         let settled = CancellationToken::new();
         let Subscribed(Some(mut outcomes)) = subscribed else {
             return Self { settled, _task: None };
         };
         let (results, token) = (shared.results.clone(), settled.clone());
         let (project, job_id, worker) = (job.project.clone(), job.job_id.clone(), shared.config.worker_id.clone());
+        let own = subject::msg_id::outcome(&job.job_id, stream_sequence);
         let task = tokio::spawn(async move {
-            while outcomes.next().await.is_some() {
+            while let Some(message) = outcomes.next().await {
+                // This delivery's own outcome, its result or its failure: the job ended here.
+                if message.headers.as_ref().and_then(|h| h.get(async_nats::header::NATS_MESSAGE_ID)).is_some_and(|id| id.as_str() == own) {
+                    return;
+                }
                 match commit::last_outcome_in(&results, &project, &job_id).await {
-                    // This worker's own result or failure: the job ended here, nothing to stop. (A
-                    // cancellation stops the work whoever wrote it, this worker included.)
-                    Ok(Some(outcome)) if outcome.result.worker == worker && outcome.result.status != ResultStatus::Cancelled => return,
+                    // This worker's own result: the job is done here, nothing to stop.
+                    Ok(Some(outcome)) if outcome.result.is_rendered() && outcome.result.worker == worker => return,
                     Ok(Some(outcome)) if outcome.settles(published) => {
                         announce(&job_id, &outcome);
                         token.cancel();
