@@ -477,6 +477,10 @@ impl WorkerConfig {
         if self.attempts.max_failures == 0 {
             return Err(bad("attempts.max_failures", "must be at least 1"));
         }
+        if self.attempts.backoff > self.attempts.max_backoff {
+            let (backoff, max) = (self.attempts.backoff, self.attempts.max_backoff);
+            return Err(bad("attempts.backoff", format!("{backoff:?} is above max_backoff ({max:?}): the first wait would already be cut to it")));
+        }
         if self.calibration.steps == 0 {
             return Err(bad("calibration.steps", "must be at least 1"));
         }

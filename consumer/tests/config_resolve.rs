@@ -102,6 +102,8 @@ fn bad_settings_are_named() {
     }
     let e = error("device = \"cpu\"\n[budget.simulate]\ntotal_mib = 18446744073709551615\n", &with_model, Overrides::default());
     assert!(e.contains("simulate.total_mib") && e.contains("outside"), "{e}");
+    let e = error(&cpu("", "[attempts]\nbackoff = \"2m\"\nmax_backoff = \"1m\"\n"), &with_model, Overrides::default());
+    assert!(e.contains("attempts.backoff") && e.contains("above max_backoff"), "{e}");
     // Addresses that can never work are configuration errors (exit 2), not failed starts.
     let e = error(&cpu("", "[nats]\nserver = \"http://nats:4222\"\n"), &with_model, Overrides::default());
     assert!(e.contains("nats.server") && e.contains("invalid scheme"), "{e}");
