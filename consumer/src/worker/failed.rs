@@ -138,3 +138,35 @@ pub(crate) async fn record(shared: &Shared, case: &Case<'_>, reason: FailureReas
 /// The longest detail a `failed` outcome carries, bytes (the failed record keeps a longer one),
 /// so the outcome fits wherever a result does.
 const OUTCOME_DETAIL: usize = 300;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn case<'a>(subject: &'a str, payload: &'static [u8], job: Option<&'a ShotJob>) -> Case<'a> {
+        Case {
+            payload: Bytes::from_static(payload),
+            content_type: None,
+            original_subject: subject,
+            stream_sequence: 7,
+            deliveries: 20,
+            queued: std::time::Duration::ZERO,
+            job,
+            last_outcome: 0,
+        }
+    }
+
+    #[test]
+    fn an_outcome_goes_to_the_project_the_job_was_published_under() {
+        let payload = br#"{"v":1,"job_id":"j1","project":"beta","shot_id":"s1","prompt":"a cat","width":64,"height":64,"steps":2,"guidance":5.0,"seed":1}"#;
+        let job: ShotJob = serde_json::from_slice(payload).unwrap();
+        let ids = case("shots.p1.xs.acme", payload, Some(&job)).ids().unwrap();
+        assert_eq!((ids.project.as_str(), ids.job_id.as_str(), ids.shot_id.as_str()), ("acme", "j1", "s1"));
+        // Undecoded, named by its readable ids; in the same project.
+        let ids = case("shots.p1.xs.acme", br#"{"v":1,"job_id":"j2","project":"beta","width":"wide"}"#, None).ids().unwrap();
+        assert_eq!((ids.project.as_str(), ids.job_id.as_str()), ("acme", "j2"));
+        // Nothing to name it by, or no job subject to put it under.
+        assert!(case("shots.p1.xs.acme", b"not json", None).ids().is_none());
+        assert!(case("elsewhere", payload, Some(&job)).ids().is_none());
+    }
+}
