@@ -169,7 +169,7 @@ pub(crate) async fn take(shared: &Shared, kept: Kept) -> (Taken, Next) {
     }
     let (reporter, watch) = match (&job, &next, subscribed) {
         (Some(job), Next::Render, Some(subscribed)) => {
-            let watch = OutcomeWatch::start(shared, job, delivery.published, delivery.stream_sequence, subscribed);
+            let watch = OutcomeWatch::start(shared, job, &delivery, subscribed);
             let reporter = Reporter::new(shared, job);
             reporter.send(ProgressEvent::Taken, None, None).await;
             (Some(reporter), watch)
