@@ -135,7 +135,7 @@ struct CancelArgs {
     #[arg(long, env = "USER")]
     by: Option<String>,
     /// How long to wait for the fleet's answer.
-    #[arg(long, default_value = "15s", value_parser = parse_duration)]
+    #[arg(long, default_value = "15s", value_parser = parse_wait)]
     timeout: Duration,
 }
 
@@ -224,7 +224,7 @@ struct SubmitArgs {
     #[arg(long)]
     wait: bool,
     /// With --wait: give up after this long (e.g. 30m).
-    #[arg(long, value_parser = parse_duration)]
+    #[arg(long, requires = "wait", value_parser = parse_wait)]
     timeout: Option<Duration>,
     /// Encode payloads as JSON instead of MessagePack.
     #[arg(long)]
@@ -262,6 +262,14 @@ struct ReplayArgs {
 
 fn parse_duration(text: &str) -> Result<Duration, String> {
     shotfleet_schema::nats::topology::parse_duration(text)
+}
+
+/// A time to wait: a zero one would give up before anything could answer.
+fn parse_wait(text: &str) -> Result<Duration, String> {
+    match parse_duration(text)? {
+        Duration::ZERO => Err("a wait of 0 gives up at once; give a positive duration, e.g. 30s or 30m".into()),
+        wait => Ok(wait),
+    }
 }
 
 /// A project as jobs name it: it becomes subject tokens, object keys and, for `gallery`, a

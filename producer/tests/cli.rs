@@ -330,3 +330,15 @@ async fn a_reader_that_leaves_ends_the_command_quietly() {
     assert_eq!(out.status.signal(), Some(13), "ended by SIGPIPE, as `head` expects: {:?} {stderr}", out.status);
     assert_eq!(jobs_in_stream(&server).await, 9, "the jobs were queued before the output");
 }
+
+#[tokio::test]
+async fn a_wait_of_nothing_is_refused_before_anything_is_sent() {
+    let board = demo_storyboard();
+    let board = board.to_str().unwrap();
+    let out = shotfleet("nats://127.0.0.1:1", &["submit", board, "--wait", "--timeout", "0s"]).await;
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    assert!(text(&out).contains("a wait of 0 gives up at once"), "{}", text(&out));
+    let out = shotfleet("nats://127.0.0.1:1", &["submit", board, "--timeout", "5m"]).await;
+    assert_eq!(out.status.code(), Some(2), "--timeout without --wait: {}", text(&out));
+    assert!(text(&out).contains("--wait"), "{}", text(&out));
+}
