@@ -101,6 +101,16 @@ pub fn encode<T: Serialize>(content_type: ContentType, value: &T) -> Vec<u8> {
 /// A [`DecodeError`] naming the field or the byte that is wrong.
 pub fn decode_job(content_type: Option<&str>, payload: &[u8]) -> Result<ShotJob, DecodeError> {
     let content_type = ContentType::from_header(content_type)?;
+    if !is_a_map(content_type, payload) {
+        // Checked first: serde would read an array as the fields in order, and its errors name
+        // the probe's internals (`expected struct VersionProbe`, `array had incorrect length`).
+        let format = match content_type {
+            ContentType::Json => "JSON",
+            ContentType::MessagePack => "MessagePack",
+        };
+        let detail = "a job is a map of named fields (a JSON object, or MessagePack written with field names)".into();
+        return Err(DecodeError::Malformed { format, path: ".".into(), detail });
+    }
     let probe: VersionProbe = decode(content_type, payload)?;
     match probe.v {
         None => return Err(DecodeError::MissingVersion),
@@ -131,6 +141,8 @@ pub fn read_ids(content_type: Option<&str>, payload: &[u8], subject_project: &st
     let probe: IdsProbe = [declared, Some(ContentType::Json), Some(ContentType::MessagePack)]
         .into_iter()
         .flatten()
+        // A map, not fields in order: an array's first strings name no job.
+        .filter(|content_type| starts_as_map(*content_type, payload))
         .find_map(|content_type| decode(content_type, payload).ok())?;
     // Values, not strings, so that a wrongly typed id does not hide the other one.
     let id = |value: Option<serde_json::Value>| {
@@ -212,6 +224,25 @@ fn malformed<E: std::fmt::Display>(
         path: error.path().to_string(),
         detail: error.inner().to_string(),
     }
+}
+
+/// Whether the payload starts as a map: `{` in JSON (after white space), a map marker in
+/// MessagePack (fixmap, map 16, map 32).
+fn starts_as_map(content_type: ContentType, payload: &[u8]) -> bool {
+    match content_type {
+        ContentType::Json => payload.iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'{'),
+        ContentType::MessagePack => payload.first().is_some_and(|b| matches!(b, 0x80..=0x8f | 0xde | 0xdf)),
+    }
+}
+
+/// Whether a job payload is a map, or something [`decode`] names better (an empty or oversized
+/// payload, a byte order mark, MessagePack sent as JSON).
+fn is_a_map(content_type: ContentType, payload: &[u8]) -> bool {
+    let named_by_decode = payload.is_empty()
+        || payload.len() > MAX_PAYLOAD_BYTES
+        || payload.starts_with(b"\xEF\xBB\xBF")
+        || (content_type == ContentType::Json && starts_as_map(ContentType::MessagePack, payload));
+    named_by_decode || starts_as_map(content_type, payload)
 }
 
 /// Reads only `v`, so a payload of another version is named as such rather than failing on

@@ -70,6 +70,8 @@ fn decode_errors_are_specific() {
     check("bom", None, &[b"\xEF\xBB\xBF".as_slice(), GOOD.as_bytes()].concat(), Expect::Decode("byte order mark"));
     check("trailing garbage", None, &[GOOD.as_bytes(), b"}"].concat(), Expect::Decode("trailing"));
     check("not json", None, b"prompt=a cat", Expect::Decode("malformed JSON"));
+    check("json array", None, br#"[1, "j1"]"#, Expect::Decode("a job is a map of named fields"));
+    check("msgpack array", Some("application/msgpack"), &msgpack(&serde_json::json!([1, "j1", "acme"])), Expect::Decode("a job is a map of named fields"));
     check("unknown content type", Some("text/yaml"), GOOD.as_bytes(), Expect::Decode("Content-Type"));
     check("json sent as msgpack", Some("application/msgpack"), GOOD.as_bytes(), Expect::Decode("MessagePack"));
     check("msgpack sent as json", None, &full, Expect::Decode("send it with `Content-Type: application/msgpack`"));
@@ -182,5 +184,6 @@ fn a_payload_that_does_not_decode_may_still_name_its_job() {
     assert_eq!(ids(None, br#"{"v":1,"job_id":7}"#), None);
     assert_eq!(ids(None, br#"{"v":1,"job_id":"a/b"}"#), None);
     assert_eq!(ids(None, br#"[1,2]"#), None);
+    assert_eq!(ids(None, br#"["j4","s4"]"#), None, "fields in order name no job");
     assert_eq!(ids(None, b"prompt=a cat"), None);
 }
