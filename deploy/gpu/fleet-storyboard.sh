@@ -18,10 +18,9 @@
 #                the probes), as a fleet's worker restarts; `storyboard_stored` in the summary
 #   storyboard-vae-exhaustive  as storyboard (a cold worker: other CUDA options are another
 #                calibration), the VAE decoder on ONNX Runtime's exhaustive search (`[cuda.vae]
-#                conv_algo_search = "exhaustive"`, the worker's default until 2026-12-05): ONNX
-#                Runtime builds a convolution's plan again at every switch of size, ~1 s more a
-#                VAE decode on that search, ~0.1-0.25 s on the heuristic (RESULTS.md, lease of
-#                2026-12-05, where this run was `storyboard-vae-heuristic` against that default);
+#                conv_algo_search = "exhaustive"`) against the worker's heuristic: ONNX Runtime
+#                builds a convolution's plan again at every switch of size, ~1 s more a VAE decode
+#                on that search, ~0.1-0.25 s on the heuristic (RESULTS.md, lease of 2026-12-05);
 #                the summary's `vae_after_switch` of each run says what a switch costs
 #   storyboard-no-affinity  as storyboard-stored (the first run's state folder: its figures to
 #                read are steady-state ones), without affinity (`affinity_passes = 0`): each lead

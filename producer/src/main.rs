@@ -294,7 +294,7 @@ fn server(e: impl Into<anyhow::Error>) -> Failure {
 
 /// Lets a closed pipe end the command quietly, as `head` or `grep -q` expect of any Unix tool
 /// (exit 141 in the shell). Rust starts with SIGPIPE ignored, so the first `println!` after
-/// the reader left panicked (exit 101, "failed printing to stdout").
+/// the reader left would panic (exit 101, "failed printing to stdout").
 fn end_quietly_on_closed_pipes() {
     use nix::sys::signal::{SigHandler, Signal, signal};
     // SAFETY: the default disposition installs no handler that could run at an unsafe moment.

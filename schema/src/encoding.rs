@@ -15,6 +15,9 @@ use crate::validate::{Limits, MAX_ID_BYTES, ValidationError, id_problem};
 /// The `Content-Type` header's name.
 pub const HEADER: &str = "Content-Type";
 
+/// A UTF-8 byte order mark, which JSON must not start with (RFC 8259) but Windows tools write.
+const BOM: &[u8] = b"\xEF\xBB\xBF";
+
 /// No payload may be larger than this: a job is a prompt and a few numbers.
 pub const MAX_PAYLOAD_BYTES: usize = 64 * 1024;
 
@@ -32,6 +35,14 @@ impl ContentType {
         match self {
             Self::Json => "application/json",
             Self::MessagePack => "application/msgpack",
+        }
+    }
+
+    /// The format's name, for messages.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Self::Json => "JSON",
+            Self::MessagePack => "MessagePack",
         }
     }
 
@@ -104,12 +115,8 @@ pub fn decode_job(content_type: Option<&str>, payload: &[u8]) -> Result<ShotJob,
     if !is_a_map(content_type, payload) {
         // Checked first: serde would read an array as the fields in order, and its errors name
         // the probe's internals (`expected struct VersionProbe`, `array had incorrect length`).
-        let format = match content_type {
-            ContentType::Json => "JSON",
-            ContentType::MessagePack => "MessagePack",
-        };
         let detail = "a job is a map of named fields (a JSON object, or MessagePack written with field names)".into();
-        return Err(DecodeError::Malformed { format, path: ".".into(), detail });
+        return Err(DecodeError::Malformed { format: content_type.name(), path: ".".into(), detail });
     }
     let probe: VersionProbe = decode(content_type, payload)?;
     match probe.v {
@@ -136,7 +143,7 @@ pub fn read_ids(content_type: Option<&str>, payload: &[u8], subject_project: &st
         #[serde(default)]
         shot_id: Option<serde_json::Value>,
     }
-    let payload = payload.strip_prefix(b"\xEF\xBB\xBF").unwrap_or(payload);
+    let payload = payload.strip_prefix(BOM).unwrap_or(payload);
     let declared = ContentType::from_header(content_type).ok();
     let probe: IdsProbe = [declared, Some(ContentType::Json), Some(ContentType::MessagePack)]
         .into_iter()
@@ -182,13 +189,13 @@ pub fn decode<T: DeserializeOwned>(
     }
     match content_type {
         ContentType::Json => {
-            if payload.starts_with(b"\xEF\xBB\xBF") {
+            if payload.starts_with(BOM) {
                 return Err(DecodeError::ByteOrderMark);
             }
             let mut de = serde_json::Deserializer::from_slice(payload);
-            let value = serde_path_to_error::deserialize(&mut de).map_err(|e| match malformed("JSON", e) {
-                // A MessagePack map starts 0x80..=0x8f, 0xde or 0xdf, never JSON: say which header it lacks.
-                DecodeError::Malformed { format, path, detail } if matches!(payload[0], 0x80..=0x8f | 0xde | 0xdf) => DecodeError::Malformed {
+            let value = serde_path_to_error::deserialize(&mut de).map_err(|e| match malformed(content_type, e) {
+                // No JSON starts as a MessagePack map does: say which header it lacks.
+                DecodeError::Malformed { format, path, detail } if starts_as_map(ContentType::MessagePack, payload) => DecodeError::Malformed {
                     format,
                     path,
                     detail: format!("{detail} (this looks like MessagePack: send it with `{HEADER}: application/msgpack`)"),
@@ -196,7 +203,7 @@ pub fn decode<T: DeserializeOwned>(
                 other => other,
             })?;
             de.end().map_err(|e| DecodeError::Malformed {
-                format: "JSON",
+                format: content_type.name(),
                 path: ".".into(),
                 detail: e.to_string(),
             })?;
@@ -205,22 +212,23 @@ pub fn decode<T: DeserializeOwned>(
         ContentType::MessagePack => {
             let mut de = rmp_serde::Deserializer::from_read_ref(payload);
             de.set_max_depth(MAX_MSGPACK_DEPTH);
-            serde_path_to_error::deserialize(&mut de).map_err(|e| malformed("MessagePack", e))
+            serde_path_to_error::deserialize(&mut de).map_err(|e| malformed(content_type, e))
         }
     }
 }
 
 /// How deep MessagePack arrays and maps may nest, unknown fields included (a job nests three
-/// levels). rmp-serde's own limit, 1,024, is deeper than a Tokio worker thread's stack: a 1 KB
-/// payload of 1,000 nested arrays aborted the worker process (serde_json stops at 128).
+/// levels). rmp-serde's own limit, 1,024, is deeper than a Tokio worker thread's 2 MiB stack
+/// holds: 1,000 nested arrays, a 1 KB payload, would overflow it and abort the process
+/// (serde_json stops at 128).
 const MAX_MSGPACK_DEPTH: usize = 32;
 
 fn malformed<E: std::fmt::Display>(
-    format: &'static str,
+    content_type: ContentType,
     error: serde_path_to_error::Error<E>,
 ) -> DecodeError {
     DecodeError::Malformed {
-        format,
+        format: content_type.name(),
         path: error.path().to_string(),
         detail: error.inner().to_string(),
     }
@@ -240,7 +248,7 @@ fn starts_as_map(content_type: ContentType, payload: &[u8]) -> bool {
 fn is_a_map(content_type: ContentType, payload: &[u8]) -> bool {
     let named_by_decode = payload.is_empty()
         || payload.len() > MAX_PAYLOAD_BYTES
-        || payload.starts_with(b"\xEF\xBB\xBF")
+        || payload.starts_with(BOM)
         || (content_type == ContentType::Json && starts_as_map(ContentType::MessagePack, payload));
     named_by_decode || starts_as_map(content_type, payload)
 }
