@@ -55,7 +55,8 @@ pub struct ShotJob {
     /// below the ladder's own lower end.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub floor: Option<Floor>,
-    /// Set by a worker that re-published this job one rung down the degrade ladder.
+    /// Set by a worker that re-published this job one rung down the degrade ladder; producers
+    /// omit it (a job whose record is not a worker's is refused).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub degrade: Option<Degrade>,
 }
@@ -89,6 +90,7 @@ pub struct Floor {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 pub struct Degrade {
     /// Rungs taken: 1 for the first re-publish.
+    #[schemars(range(min = 1, max = crate::validate::MAX_DEGRADE_LEVEL))]
     pub level: u32,
     /// The job's size and steps as the producer sent them.
     pub from: Original,

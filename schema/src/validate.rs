@@ -101,6 +101,10 @@ pub const MAX_ID_BYTES: usize = 96;
 /// Longest project name: it is a subject token and an object key part on every job.
 pub const MAX_PROJECT_BYTES: usize = 64;
 
+/// Most rungs a degraded copy may have taken: each rung at least nearly halves the pixels, so
+/// from 16384² to 64² is under 20.
+pub const MAX_DEGRADE_LEVEL: u32 = 32;
+
 /// One thing wrong with one field.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Problem {
@@ -209,10 +213,8 @@ impl ShotJob {
                 );
             }
         }
-        if let Some(degrade) = self.degrade
-            && degrade.level == 0
-        {
-            check.fail("degrade.level", "must be 1 or more (0 means not degraded: omit it)".into());
+        if let Some(degrade) = self.degrade {
+            check.degrade(degrade, self);
         }
         check.finish()
     }
@@ -280,6 +282,30 @@ impl Checker {
     fn id(&mut self, field: &str, value: &str, max_bytes: usize, kind: IdKind) {
         if let Some(problem) = kind.problem(value, max_bytes) {
             self.fail(field, problem);
+        }
+    }
+
+    /// A degraded copy is written by a worker ([`crate::Degrade`]): a rung lowers the size and
+    /// keeps the steps, so a copy whose record says otherwise was not made by one (a producer
+    /// sets no `degrade`), and its rung count must leave room for the next.
+    fn degrade(&mut self, degrade: crate::Degrade, job: &ShotJob) {
+        if !(1..=MAX_DEGRADE_LEVEL).contains(&degrade.level) {
+            self.fail(
+                "degrade.level",
+                format!("{} must lie in 1..={MAX_DEGRADE_LEVEL}; degrade is set by workers: a producer omits it", degrade.level),
+            );
+        }
+        let from = degrade.from;
+        let pixels = |w: u32, h: u32| u64::from(w) * u64::from(h);
+        if pixels(from.width, from.height) <= pixels(job.width, job.height) || from.steps != job.steps {
+            self.fail(
+                "degrade.from",
+                format!(
+                    "{}x{} at {} steps is not a larger original of this {}x{} job at {} steps; \
+                     degrade is set by workers: a producer omits it",
+                    from.width, from.height, from.steps, job.width, job.height, job.steps
+                ),
+            );
         }
     }
 

@@ -128,6 +128,17 @@ fn validation_errors_name_the_field() {
     check("too many images", None, &json_with("images", "1000"), Expect::Field("images", "outside"));
     check("floor above size", None, &json_with("floor", r#"{"min_side":1024,"min_steps":5}"#), Expect::Field("floor.min_side", "shorter side"));
     check("floor steps", None, &json_with("floor", r#"{"min_side":256,"min_steps":50}"#), Expect::Field("floor.min_steps", "steps"));
+    // `degrade` is a worker's record of the rungs taken; one a producer wrote by hand is refused
+    // where it cannot be a worker's (a rung count with no room for the next rung, an "original"
+    // no larger than the job).
+    let degrade = |level: u64, width: u32, steps: u32| {
+        json_with("degrade", &format!(r#"{{"level":{level},"from":{{"width":{width},"height":1024,"steps":{steps}}}}}"#))
+    };
+    check("degrade level 0", None, &degrade(0, 1024, 20), Expect::Field("degrade.level", "a producer omits it"));
+    check("degrade level at the top", None, &degrade(u64::from(u32::MAX), 1024, 20), Expect::Field("degrade.level", "1..=32"));
+    check("degrade from smaller", None, &degrade(1, 256, 20), Expect::Field("degrade.from", "not a larger original"));
+    check("degrade from other steps", None, &degrade(1, 1024, 30), Expect::Field("degrade.from", "at 30 steps"));
+    assert!(parse_job(None, &degrade(1, 1024, 20), &Limits::default()).is_ok(), "a worker's rung from 1024x1024 to 512x512");
 }
 
 #[test]
