@@ -188,6 +188,14 @@ impl Live {
 
     /// The waiting line: how many wait, and the next few with their positions.
     fn draw_waiting(&mut self) {
+        let Some(bars) = &self.bars else { return };
+        let finished = self.stages.values().filter(|s| **s == Stage::Finished).count();
+        bars.waiting.set_message(format!("{finished}/{} finished · {}", self.stages.len(), self.waiting_text()));
+    }
+
+    /// How many wait, and the first few: with their queue positions where known; a job given
+    /// back has none (the server redelivers it outside the queue's order), so it says so.
+    fn waiting_text(&self) -> String {
         let waiting = self.waiting();
         let named: Vec<String> = waiting
             .iter()
@@ -199,28 +207,13 @@ impl Live {
             })
             .collect();
         let more = if waiting.len() > WAITING_NAMED { ", …" } else { "" };
-        let finished = self.stages.values().filter(|s| **s == Stage::Finished).count();
-        let text = format!("{finished}/{} finished · {} waiting in the queue: {}{more}", self.stages.len(), waiting.len(), named.join(", "));
-        if let Some(bars) = &self.bars {
-            bars.waiting.set_message(text);
-        }
+        format!("{} waiting in the queue: {}{more}", waiting.len(), named.join(", "))
     }
 
     /// Off a terminal: the waiting line, printed by the caller now and then.
     pub fn waiting_line(&self) -> Option<String> {
         let waiting = self.waiting();
-        if waiting.is_empty() || self.bars.is_some() {
-            return None;
-        }
-        let named: Vec<String> = waiting
-            .iter()
-            .take(WAITING_NAMED)
-            .map(|job| match self.stages.get(*job) {
-                Some(Stage::Waiting { position }) if *position > 0 => format!("{job} #{position}"),
-                _ => (*job).to_owned(),
-            })
-            .collect();
-        Some(format!("{} waiting in the queue: {}", waiting.len(), named.join(", ")))
+        (!waiting.is_empty() && self.bars.is_none()).then(|| self.waiting_text())
     }
 }
 
@@ -394,5 +387,6 @@ mod tests {
         assert_eq!(live.waiting(), ["b", "c"]);
         live.progressed(ShotProgress { job_id: "a".into(), event: ProgressEvent::Queued, detail: Some("no room".into()), ..event(1, 30, 1, 0, 1) });
         assert_eq!(live.waiting(), ["a", "b", "c"], "given back: waiting again");
+        assert_eq!(live.waiting_line().unwrap(), "3 waiting in the queue: a (again), b #7, c");
     }
 }
