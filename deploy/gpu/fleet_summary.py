@@ -17,7 +17,9 @@ the worker's jobs_total metrics by outcome, and its sets. Per set: jobs, images,
 the last result), images_per_s (images / wall_s, only when every job has a result), images_per_s_steady
 (images finished after the first finish / first to last finish, from the "job done" lines; a batch
 of jobs finishing together counts as the first finish), busy_fraction (gpu_sampler.py over the
-set), peak_vram_gib over the set, stage_ms_median (text, unet, vae, png, upload, render) and the
+set), busy_backlog (the same from the first render's start to the last's, over busy_backlog_s)
+and renders_in_flight over that window (one or more, two or more),
+peak_vram_gib over the set, stage_ms_median (text, unet, vae, png, upload, render) and the
 tally of `shotfleet submit --wait` (done, degraded, failed, and each job's status).
 
 budget.json adds: check (the --check-budget lines, max |error|), mixed (hog, zero admission OOMs),
@@ -36,6 +38,8 @@ import json
 import re
 import statistics
 from pathlib import Path
+
+from gpu_sampler import busy_between  # beside this file
 
 STAGE_FIELDS = ("text_ms", "unet_ms", "vae_ms", "png_ms", "upload_ms", "render_ms")
 LOG_COUNTS = {
@@ -266,6 +270,13 @@ def set_summary(run_dir: Path, key: str, meta: dict, log: WorkerLog, vram: Vram)
     if gpu:
         out["busy_fraction"] = r(gpu.get("busy_fraction"), 4)
         out["gpu_samples"] = gpu.get("samples")
+        window = backlog_window(done)
+        backlog = busy_between(gpu, *window) if window else None
+        if backlog:
+            out["busy_backlog"] = backlog["busy_fraction"]
+            out["busy_backlog_s"] = r(window[1] - window[0], 1)
+        if window:
+            out["renders_in_flight"] = renders_in_flight(done, window)
         if gpu.get("error") and not gpu.get("samples"):
             out["gpu_sampler_error"] = gpu["error"]
     if len(submit["jobs"]) <= 20:  # the mixed run's 200 are in submit-KEY.txt; its tally is above
@@ -285,6 +296,42 @@ def set_summary(run_dir: Path, key: str, meta: dict, log: WorkerLog, vram: Vram)
     if notes:
         out["note"] = "; ".join(notes)
     return out
+
+
+def backlog_window(done: list[dict]) -> tuple[float, float] | None:
+    """From the first render's start to the last's (each `job done` line's time less its
+    render_ms, which leaves out the PNG and upload after it): while jobs are still to be taken,
+    the window where an idle card is a gap to close, not the start-up or the tail."""
+    starts = [x["t"] - x["fields"]["render_ms"] / 1000 for x in done
+              if isinstance(x["fields"].get("render_ms"), (int, float))]
+    return (min(starts), max(starts)) if len(starts) > 1 and max(starts) > min(starts) else None
+
+
+def renders_in_flight(done: list[dict], window: tuple[float, float]) -> dict:
+    """Over the backlog window, the share of time with at least one render running and with
+    two or more (renders from the `job done` lines, each [time - render_ms, time], one per group:
+    a group's jobs share their render). Against NVML's busy fraction it tells a card left idle
+    between renders (the fleet's gap) from one idle inside them (the pipeline's)."""
+    spans = sorted({(round(x["t"] - x["fields"]["render_ms"] / 1000, 2), x["fields"]["render_ms"]) for x in done
+                    if isinstance(x["fields"].get("render_ms"), (int, float))})
+    edges = sorted([(start, 1) for start, _ in spans] + [(start + ms / 1000, -1) for start, ms in spans])
+    t0, t1 = window
+    running, last, shares = 0, t0, {1: 0.0, 2: 0.0}
+    for t, step in edges:
+        t = min(max(t, t0), t1)
+        for n in shares:
+            if running >= n:
+                shares[n] += t - last
+        running, last = running + step, t
+    length = t1 - t0
+    return {"one_or_more": r(shares[1] / length, 4), "two_or_more": r(shares[2] / length, 4)}
+
+
+def busy_cell(row: dict) -> str:
+    """A report's GPU busy cell: over the set (or run), and over its backlog where measured."""
+    pct = lambda v: f"{v * 100:.0f}%" if isinstance(v, (int, float)) else "-"  # noqa: E731
+    backlog = row.get("busy_backlog")
+    return pct(row.get("busy_fraction")) + (f" / {pct(backlog)}" if isinstance(backlog, (int, float)) else "")
 
 
 def top_keys(meta: dict) -> dict:

@@ -11,7 +11,11 @@ or until SIGTERM/SIGINT (start it in the background, kill it when the measured p
 The summary: busy_fraction is the mean of NVML's utilization.gpu over the samples / 100. NVML
 defines that figure as the share of the last sample period (1/6 s to 1 s, chosen by the driver)
 in which at least one kernel ran, so it says "the GPU was never idle", not "the SMs were full".
-Memory is device-wide (every process), in MiB.
+Memory is device-wide (every process), in MiB. The summary also keeps the samples ("series": the
+wall-clock time of each, epoch seconds, and its utilization), so a reader can take the busy
+fraction over a window of its own (busy_between: the fleet's runs read it over the backlog,
+from the first render's start to the last's, where a worker's start-up and tail leave it idle
+by design).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ class GpuSampler:
     def __init__(self, interval: float = 0.1, index: int = 0):
         self.interval = interval
         self.index = index
+        self.t: list[float] = []
         self.util: list[float] = []
         self.mem: list[float] = []
         self.backend: str | None = None
@@ -61,8 +66,9 @@ class GpuSampler:
     def _nvml_loop(self, pynvml, handle) -> None:
         while not self._stop.is_set():
             try:
-                self.util.append(float(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu))
-                self.mem.append(pynvml.nvmlDeviceGetMemoryInfo(handle).used / 2**20)
+                util = float(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu)
+                mem = pynvml.nvmlDeviceGetMemoryInfo(handle).used / 2**20
+                self._sample(util, mem)
             except Exception as e:  # noqa: BLE001
                 self.error = f"nvml sample: {e}"
             self._stop.wait(self.interval)
@@ -82,12 +88,19 @@ class GpuSampler:
                 break
             parts = [p.strip() for p in line.split(",")]
             try:
-                self.util.append(float(parts[0]))
-                self.mem.append(float(parts[1]))
+                util, mem = float(parts[0]), float(parts[1])
             except (ValueError, IndexError):
                 continue
+            self._sample(util, mem)
 
-    def stop(self) -> dict:
+    def _sample(self, util: float, mem: float) -> None:
+        # One sample's three figures together: a reader of the series pairs them by index.
+        self.t.append(time.time())
+        self.util.append(util)
+        self.mem.append(mem)
+
+    def stop(self, series: bool = False) -> dict:
+        """Stops sampling; the summary, with every sample when `series`."""
         self._t1 = time.monotonic()
         self._stop.set()
         if self._proc:
@@ -98,9 +111,9 @@ class GpuSampler:
                 self._proc.kill()
         if self._thread:
             self._thread.join(3)
-        return self.summary()
+        return self.summary(series)
 
-    def summary(self) -> dict:
+    def summary(self, series: bool = False) -> dict:
         out = {"backend": self.backend, "interval_s": self.interval, "samples": len(self.util),
                "seconds": round((self._t1 or time.monotonic()) - self._t0, 3)}
         if self.error:
@@ -109,11 +122,24 @@ class GpuSampler:
             out["busy_fraction"] = statistics.fmean(self.util) / 100.0
             out["busy_fraction_median"] = statistics.median(self.util) / 100.0
             out["busy_zero_samples"] = sum(1 for u in self.util if u == 0)
+            if series:
+                out["series"] = {"t": [round(t, 3) for t in self.t], "util": self.util}
         if self.mem:
             out["mem_used_peak_mib"] = max(self.mem)
             out["mem_used_mean_mib"] = statistics.fmean(self.mem)
             out["mem_used_first_mib"] = self.mem[0]
         return out
+
+
+def busy_between(summary: dict, t0: float, t1: float) -> dict | None:
+    """The busy fraction of a summary's samples taken in [t0, t1] (epoch seconds), with their
+    count; None without a series or without samples in the window."""
+    series = summary.get("series") or {}
+    util = [u for t, u in zip(series.get("t") or [], series.get("util") or []) if t0 <= t <= t1]
+    if not util:
+        return None
+    return {"busy_fraction": round(statistics.fmean(util) / 100.0, 4), "samples": len(util),
+            "zero_samples": sum(1 for u in util if u == 0)}
 
 
 def main() -> None:
@@ -134,14 +160,14 @@ def main() -> None:
         stopper = Stopper()
         while stopper.running():
             time.sleep(0.5)
-    summary = sampler.stop()
+    summary = sampler.stop(series=True)
     if cmd:
         summary["command"] = cmd
         summary["command_rc"] = rc
     with open(args.out, "w") as f:
         json.dump(summary, f, indent=2)
         f.write("\n")
-    print(json.dumps(summary), file=sys.stderr)
+    print(json.dumps({k: v for k, v in summary.items() if k != "series"}), file=sys.stderr)
     sys.exit(rc)
 
 

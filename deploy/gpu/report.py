@@ -27,6 +27,7 @@ import json
 from pathlib import Path
 
 from box_report import box_md
+from fleet_summary import busy_cell
 from small_report import small_md
 from storyboard_summary import storyboard_md
 
@@ -110,6 +111,7 @@ def fleet_rows(speed: dict | None, old: dict | list | None) -> list[dict]:
                 "images_per_s": ips, "images_per_s_steady": s.get("images_per_s_steady"),
                 "s_per_image": (1 / ips) if ips else None, "peak_vram_gib": s.get("peak_vram_gib"),
                 "nvml_used_peak_gib": s.get("nvml_used_peak_gib"), "busy_fraction": s.get("busy_fraction"),
+                "busy_backlog": s.get("busy_backlog"),
                 "stage_ms_median": s.get("stage_ms_median") or {},
                 "note": "; ".join(x for x in (s.get("note"), run.get("error")) if x)})
     runs = old.get("runs", [old]) if isinstance(old, dict) else (old or [])
@@ -149,7 +151,7 @@ def images_md(rows: list[dict], diff: dict | None) -> list[str]:
             notes = [d.get("note") or ""]
         out += [" ".join(n for n in notes if n), ""]
     out += ["| system | images/job | images/s | steady | s/image | x eager | x compiled | x eager (steady) "
-            "| x compiled (steady) | warm-up s | peak VRAM GiB | GPU busy | text / unet / vae / png / upload / render ms | note |",
+            "| x compiled (steady) | warm-up s | peak VRAM GiB | GPU busy (set / backlog) | text / unet / vae / png / upload / render ms | note |",
             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |"]
     for r in rows:
         if not r.get("images_per_s") and not r.get("images_per_s_steady"):
@@ -163,7 +165,7 @@ def images_md(rows: list[dict], diff: dict | None) -> list[str]:
             f"| {num(r.get('images_per_s_steady'), '.3f')} | {num(r.get('s_per_image'), '.2f')} "
             f"| {num(r.get('x_eager'), '.2f')} | {num(r.get('x_compiled'), '.2f')} "
             f"| {num(r.get('x_eager_steady'), '.2f')} | {num(r.get('x_compiled_steady'), '.2f')} "
-            f"| {num(r.get('warmup_s'), '.1f')} | {num(r.get('peak_vram_gib'), '.2f')} | {pct(r.get('busy_fraction'))} "
+            f"| {num(r.get('warmup_s'), '.1f')} | {num(r.get('peak_vram_gib'), '.2f')} | {busy_cell(r)} "
             f"| {stages} | {str(r.get('note', ''))[:120]} |")
     out += ["",
             "images/s: diffusers, images over the timed calls; fleet, images over submit to the last result of the set "
@@ -171,7 +173,8 @@ def images_md(rows: list[dict], diff: dict | None) -> list[str]:
             "to last finish (the worker's `job done` lines). Ratios at the same images per job/call. Peak VRAM: "
             "diffusers torch.cuda.max_memory_allocated; fleet the worker process's own (NVML) over the set. Warm-up: "
             "first call (compiled: compilation); fleet: worker start to /readyz 200 (load, sessions, probe renders). "
-            "GPU busy: mean NVML utilization over the timed part. Stage medians from the `job done` lines.", ""]
+            "GPU busy: mean NVML utilization over the timed part / from the set's first render start to its last "
+            "(the backlog: start-up and tail left out; fleet only). Stage medians from the `job done` lines.", ""]
     return out
 
 
@@ -305,9 +308,11 @@ def targets_md(rows: list[dict]) -> list[str]:
     warm = [r.get("warmup_s") for r in rows if r["mode"] == "fleet" and isinstance(r.get("warmup_s"), (int, float))]
     if warm:
         out.append(f"| warm-up < 30 s | {max(warm):.1f} s at most | {'met' if max(warm) < 30 else 'not met'} |")
-    busy = [r.get("busy_fraction") for r in rows if r["mode"] == "fleet" and isinstance(r.get("busy_fraction"), (int, float))]
-    if busy:
-        out.append(f"| GPU busy ≥ 95 % | {max(busy) * 100:.0f}% at best | {'met' if max(busy) >= 0.95 else 'not met'} |")
+    for key, what, target in (("busy_fraction", "over the set", 0.95), ("busy_backlog", "with backlog (issue 17)", 0.97)):
+        busy_seen = [r.get(key) for r in rows if r["mode"] == "fleet" and isinstance(r.get(key), (int, float))]
+        if busy_seen:
+            best = max(busy_seen)
+            out.append(f"| GPU busy {what} ≥ {target * 100:.0f} % | {best * 100:.0f}% at best | {'met' if best >= target else 'not met'} |")
     out.append("")
     return out
 

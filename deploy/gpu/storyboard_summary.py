@@ -19,7 +19,7 @@ import json
 import statistics
 from pathlib import Path
 
-from fleet_summary import fnum, r
+from fleet_summary import busy_cell, fnum, r
 from storyboards import firsts_of_sizes
 
 
@@ -67,7 +67,7 @@ def fleet(run: dict) -> dict:
         images_per_s_steady=r(sum(int(x["fields"].get("images") or 0) for x in steady) / steady_s, 4) if steady and steady_s > 0 else None,
         first_image_after_spawn_s=r(done[0]["t"] - spawned, 2),
         per_size=per_size,
-        busy_fraction=m.get("busy_fraction"), stage_ms_median=m.get("stage_ms_median"), tally=m.get("tally"),
+        busy_fraction=m.get("busy_fraction"), busy_backlog=m.get("busy_backlog"), renders_in_flight=m.get("renders_in_flight"), stage_ms_median=m.get("stage_ms_median"), tally=m.get("tally"),
         submit_rc=m.get("submit_rc"), vae_after_switch=vae_after_switch(done, size), renders=renders(log, len(done)))
     return out
 
@@ -115,17 +115,19 @@ def storyboard_md(fleet_doc: dict | None, diffusers: dict | None) -> list[str]:
             rows.append({"system": system, "shots": f.get("done"), "images_per_s": f.get("images_per_s"),
                          "images_per_s_steady": f.get("images_per_s_steady"), "first_image_s": f.get("first_image_after_spawn_s"),
                          "to_last_image_s": f.get("to_last_image_s"), "per_size": f.get("per_size"), "status": f.get("status"),
-                         "vae_after_switch": f.get("vae_after_switch"), "renders": f.get("renders")})
+                         "vae_after_switch": f.get("vae_after_switch"), "renders": f.get("renders"),
+                         "busy_fraction": f.get("busy_fraction"), "busy_backlog": f.get("busy_backlog"),
+                         "renders_in_flight": f.get("renders_in_flight")})
     best = lambda key: max((x[key] for x in rows if x["system"].startswith("diffusers") and x.get(key)), default=None)  # noqa: E731
     best_cold, best_steady = best("images_per_s"), best("images_per_s_steady")
     out = ["## The mixed storyboard (issue 17, point 3)", "",
-           "| system | shots | images/s from process start | x best diffusers | steady images/s | x best diffusers | first image s | last image s |",
-           "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+           "| system | shots | images/s from process start | x best diffusers | steady images/s | x best diffusers | first image s | last image s | GPU busy (run / backlog) |",
+           "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for x in rows:
         cold = f"{x['images_per_s'] / best_cold:.2f}" if x.get("images_per_s") and best_cold else "-"
         steady = f"{x['images_per_s_steady'] / best_steady:.2f}" if x.get("images_per_s_steady") and best_steady else "-"
         out.append(f"| {x['system']} | {x.get('shots') or '-'} | {x.get('images_per_s') or '-'} | {cold} | "
-                   f"{x.get('images_per_s_steady') or '-'} | {steady} | {x.get('first_image_s') or '-'} | {x.get('to_last_image_s') or '-'} |")
+                   f"{x.get('images_per_s_steady') or '-'} | {steady} | {x.get('first_image_s') or '-'} | {x.get('to_last_image_s') or '-'} | {busy_cell(x)} |")
     out += ["", "Per size, the first image against the later ones (seconds of the call for diffusers, render ms for the fleet):", ""]
     for x in rows:
         sizes = "; ".join(f"{s} {json.dumps(v)}" for s, v in (x.get("per_size") or {}).items())
@@ -134,6 +136,8 @@ def storyboard_md(fleet_doc: dict | None, diffusers: dict | None) -> list[str]:
             out.append(f"  - VAE after the same size / after another: {json.dumps(x['vae_after_switch'])}")
         if x.get("renders"):
             out.append(f"  - renders: {json.dumps(x['renders'])}")
+        if x.get("renders_in_flight"):
+            out.append(f"  - share of the backlog with renders running: {json.dumps(x['renders_in_flight'])}")
     return out + [""]
 
 
