@@ -220,7 +220,7 @@ pub struct WorkerConfig {
     /// How long to sleep when every queue was empty (doubles up to ten times this).
     #[serde(with = "humantime_serde")]
     pub idle_poll: Duration,
-    /// Threads per graph on the CPU.
+    /// Threads per graph on the CPU, 1..=256; unset: ONNX Runtime's default (one per core).
     pub intra_threads: Option<usize>,
     /// Where the two text encoders run on a GPU worker: `"auto"` (on the CPU below 16 GiB of
     /// room), `"device"` or `"cpu"`.
@@ -426,6 +426,13 @@ impl WorkerConfig {
             && n > 256
         {
             return Err(bad("lookahead", format!("{n} is outside 0..=256")));
+        }
+        // Each graph's session starts this many threads at load (four graphs, and more with
+        // `concurrency`): a slip of a few zeros exhausts the host's memory before any job.
+        if let Some(n) = self.intra_threads
+            && !(1..=256).contains(&n)
+        {
+            return Err(bad("intra_threads", format!("{n} is outside 1..=256 (omit it for one thread per core)")));
         }
         if self.affinity_passes > 64 {
             return Err(bad("affinity_passes", format!("{} is outside 0..=64", self.affinity_passes)));

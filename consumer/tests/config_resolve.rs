@@ -125,6 +125,12 @@ fn bad_settings_are_named() {
     assert!(e.contains("cuda.vae.graph") && e.contains("[cuda.unet] graph"), "{e}");
     let e = error(&cpu("", "[faults]\narena_limit_mib = 512\n"), &with_model, Overrides::default());
     assert!(e.contains("faults.arena_limit_mib") && e.contains("cpu_arena_max_mib"), "{e}");
+    // A slip of zeros in the thread count started 100,000 threads a graph and ate the host's
+    // memory before the first job.
+    for threads in [0, 100_000] {
+        let e = error(&cpu(&format!("intra_threads = {threads}"), ""), &with_model, Overrides::default());
+        assert!(e.contains(&format!("intra_threads: {threads} is outside 1..=256")), "{e}");
+    }
 }
 
 #[test]
