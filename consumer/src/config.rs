@@ -478,7 +478,16 @@ impl WorkerConfig {
             return Err(bad("device", "this binary was built without the `cuda` feature; rebuild with --features cuda"));
         }
         self.budget.validate().map_err(|e| bad("budget", e.to_string()))?;
-        if self.calibration.shapes.len() < 2 {
+        self.limits.check().map_err(|(field, message)| bad(&format!("limits.{field}"), message))?;
+        for (i, &[width, height, images]) in self.calibration.shapes.iter().enumerate() {
+            if let Some(problem) = self.limits.shape_problem(width, height, images) {
+                return Err(bad(&format!("calibration.shapes[{i}]"), format!("[{width}, {height}, {images}]: {problem}")));
+            }
+        }
+        let mut sizes: Vec<(u32, u32)> = self.calibration.shapes.iter().map(|&[w, h, _]| (w, h)).collect();
+        sizes.sort_unstable();
+        sizes.dedup();
+        if sizes.len() < 2 {
             return Err(bad("calibration.shapes", "give at least two shapes of different sizes"));
         }
         if self.attempts.max_failures == 0 {
@@ -492,7 +501,6 @@ impl WorkerConfig {
             return Err(bad("calibration.steps", "must be at least 1"));
         }
         self.lora.validate().map_err(|(setting, message)| bad(setting, message))?;
-        self.limits.check().map_err(|(field, message)| bad(&format!("limits.{field}"), message))?;
         self.nats.addresses().map_err(|e| bad("nats.server (NATS_URL, --server)", e.to_string()))?;
         Ok(())
     }

@@ -89,6 +89,16 @@ fn bad_settings_are_named() {
     assert!(e.contains("max_fill"), "{e}");
     let e = error(&cpu("", "[calibration]\nshapes = [[64, 64, 1]]\n"), &with_model, Overrides::default());
     assert!(e.contains("calibration.shapes"), "{e}");
+    // Probe shapes are checked as a job's size would be, and two of one size are one size.
+    for (shapes, needle) in [
+        ("[[64, 64, 1], [64, 64, 2]]", "at least two shapes of different sizes"),
+        ("[[64, 64, 1], [100, 64, 1]]", "calibration.shapes[1]: [100, 64, 1]: width: 100 must be a positive multiple of 8"),
+        ("[[64, 64, 0], [128, 128, 1]]", "calibration.shapes[0]: [64, 64, 0]: images: 0 is outside 1..=8"),
+        ("[[64, 64, 1], [65536, 65536, 1]]", "width: 65536 is outside 64..=2048 pixels"),
+    ] {
+        let e = error(&cpu("", &format!("[calibration]\nshapes = {shapes}\n")), &with_model, Overrides::default());
+        assert!(e.contains(needle), "{shapes}: {e}");
+    }
     // Bounds that would fail every job as `invalid`, never retried, are refused at start.
     for (limits, needle) in [
         ("max_megapixel_steps = 0", "limits.max_megapixel_steps"),

@@ -96,6 +96,18 @@ impl Limits {
     }
 }
 
+impl Limits {
+    /// What is wrong with a render of `images` images of `width` x `height` under these bounds
+    /// (a worker's calibration shapes are checked as a job's size would be), if anything.
+    pub fn shape_problem(&self, width: u32, height: u32, images: u32) -> Option<String> {
+        let mut check = Checker::default();
+        check.side("width", width, self);
+        check.side("height", height, self);
+        check.range("images", images, 1, self.max_images);
+        check.finish().err().map(|e| e.to_string())
+    }
+}
+
 /// Longest id (job, project, shot, LoRA name), bytes.
 pub const MAX_ID_BYTES: usize = 96;
 /// Longest project name: it is a subject token and an object key part on every job.

@@ -65,16 +65,10 @@ pub fn parse_shapes(text: &str, limits: &Limits) -> Result<Vec<Shape>, String> {
             let bad = |why: &str| format!("`{item}` {why}; write WIDTHxHEIGHTxIMAGES, e.g. 1024x1024x2");
             let parts: Vec<u32> = item.split('x').map(|p| p.trim().parse::<u32>()).collect::<Result<_, _>>().map_err(|_| bad("is not a shape"))?;
             let [width, height, images] = parts[..] else { return Err(bad("is not three numbers")) };
-            if width == 0 || height == 0 || width % 8 != 0 || height % 8 != 0 {
-                return Err(bad("has a side that is not a positive multiple of 8"));
+            match limits.shape_problem(width, height, images) {
+                Some(problem) => Err(bad(&format!("is not a job's shape ({problem})"))),
+                None => Ok(Shape::new(width, height, images)),
             }
-            if width.min(height) < limits.min_side || width.max(height) > limits.max_side || images == 0 || images > limits.max_images {
-                return Err(bad(&format!(
-                    "is outside the job limits (sides {} to {}, 1 to {} images)",
-                    limits.min_side, limits.max_side, limits.max_images
-                )));
-            }
-            Ok(Shape::new(width, height, images))
         })
         .collect::<Result<_, _>>()?;
     if shapes.is_empty() {
@@ -173,7 +167,7 @@ mod tests {
     fn shapes_parse_and_bad_ones_are_named() {
         let limits = Limits::default();
         assert_eq!(parse_shapes("512x512x1, 1152x896x3", &limits).unwrap(), vec![Shape::new(512, 512, 1), Shape::new(1152, 896, 3)]);
-        for (text, says) in [("512x512", "three numbers"), ("512x500x1", "multiple of 8"), ("axbxc", "not a shape"), ("", "no shapes"), ("512x512x0", "job limits"), ("8x8x1", "job limits")] {
+        for (text, says) in [("512x512", "three numbers"), ("512x500x1", "multiple of 8"), ("axbxc", "not a shape"), ("", "no shapes"), ("512x512x0", "images: 0 is outside 1..=8"), ("8x8x1", "width: 8 is outside 64..=2048")] {
             let err = parse_shapes(text, &limits).unwrap_err();
             assert!(err.contains(says), "{text:?}: {err}");
         }
