@@ -3,28 +3,32 @@
 
 use std::time::Duration;
 
-use shotfleet_schema::cancel::{self, CancelReply, CancelRequest, WHOLE_PROJECT};
+use shotfleet_schema::cancel::{self, CancelReply, CancelRequest, Selection, WHOLE_PROJECT};
 use shotfleet_schema::validate::{MAX_ID_BYTES, MAX_PROJECT_BYTES, id_problem};
 
 /// Which jobs of a project.
 #[derive(Debug, Clone)]
-pub struct Selection {
+pub struct Target {
     pub project: String,
-    /// These jobs; none: every unfinished job of the project (or of `shot`).
-    pub jobs: Vec<String>,
-    pub shot: Option<String>,
+    pub which: Selection,
 }
 
-impl Selection {
+impl Target {
     /// Checks every id; the message names the one to fix.
     ///
     /// # Errors
-    /// An id that no job can have.
+    /// An id that no job can have, or an empty list of jobs.
     pub fn validate(&self) -> Result<(), String> {
         if let Some(problem) = id_problem(&self.project, MAX_PROJECT_BYTES) {
             return Err(format!("project `{}` {problem}", self.project));
         }
-        for id in self.jobs.iter().chain(&self.shot) {
+        let ids: &[String] = match &self.which {
+            Selection::Jobs(jobs) if jobs.is_empty() => return Err("no jobs named".into()),
+            Selection::Jobs(jobs) => jobs,
+            Selection::Shot(shot) => std::slice::from_ref(shot),
+            Selection::All => &[],
+        };
+        for id in ids {
             if let Some(problem) = id_problem(id, MAX_ID_BYTES) {
                 return Err(format!("`{id}` {problem}"));
             }
@@ -32,15 +36,16 @@ impl Selection {
         Ok(())
     }
 
-    /// The request's subject and payload.
+    /// The request's subject and payload: one job goes to its own subject, anything else to
+    /// the project's.
     pub fn request(&self, by: &str) -> (String, CancelRequest) {
-        let request = CancelRequest { v: shotfleet_schema::VERSION, by: by.to_owned(), jobs: Vec::new(), shot: None };
-        match (&self.jobs[..], &self.shot) {
-            ([job], None) => (cancel::subject(&self.project, job), request),
-            _ => (
-                cancel::subject(&self.project, WHOLE_PROJECT),
-                CancelRequest { jobs: self.jobs.clone(), shot: self.shot.clone(), ..request },
-            ),
+        let request = CancelRequest { v: shotfleet_schema::VERSION, by: by.to_owned(), ..CancelRequest::default() };
+        let project = |request| (cancel::subject(&self.project, WHOLE_PROJECT), request);
+        match &self.which {
+            Selection::Jobs(jobs) if jobs.len() == 1 => (cancel::subject(&self.project, &jobs[0]), request),
+            Selection::Jobs(jobs) => project(CancelRequest { jobs: jobs.clone(), ..request }),
+            Selection::Shot(shot) => project(CancelRequest { shot: Some(shot.clone()), ..request }),
+            Selection::All => project(CancelRequest { all: true, ..request }),
         }
     }
 }
@@ -65,8 +70,8 @@ pub enum CancelError {
 ///
 /// # Errors
 /// [`CancelError`]: no worker answered, the request failed, or the worker could not handle it.
-pub async fn cancel(client: &async_nats::Client, selection: &Selection, by: &str, timeout: Duration) -> Result<CancelReply, CancelError> {
-    let (subject, request) = selection.request(by);
+pub async fn cancel(client: &async_nats::Client, target: &Target, by: &str, timeout: Duration) -> Result<CancelReply, CancelError> {
+    let (subject, request) = target.request(by);
     let payload = serde_json::to_vec(&request).expect("requests serialize");
     let ask = async_nats::Request::new().payload(payload.into()).timeout(Some(timeout));
     let answer = client.send_request(subject, ask).await.map_err(|e| match e.kind() {
@@ -86,26 +91,39 @@ pub async fn cancel(client: &async_nats::Client, selection: &Selection, by: &str
 mod tests {
     use super::*;
 
-    fn selection(jobs: &[&str], shot: Option<&str>) -> Selection {
-        Selection { project: "tide".into(), jobs: jobs.iter().map(|j| (*j).to_owned()).collect(), shot: shot.map(str::to_owned) }
+    fn target(which: Selection) -> Target {
+        Target { project: "tide".into(), which }
+    }
+
+    fn jobs(ids: &[&str]) -> Selection {
+        Selection::Jobs(ids.iter().map(|j| (*j).to_owned()).collect())
     }
 
     #[test]
     fn one_job_goes_to_its_own_subject_anything_else_to_the_project() {
-        let (subject, request) = selection(&["ep1-s1"], None).request("ana");
+        let (subject, request) = target(jobs(&["ep1-s1"])).request("ana");
         assert_eq!(subject, "shots.cancel.tide.ep1-s1");
         assert!(request.jobs.is_empty() && request.by == "ana");
-        let (subject, request) = selection(&["a", "b"], None).request("ana");
+        let (subject, request) = target(jobs(&["a", "b"])).request("ana");
         assert_eq!((subject.as_str(), request.jobs.len()), ("shots.cancel.tide.@project", 2));
-        let (subject, request) = selection(&[], Some("s03")).request("ana");
+        let (subject, request) = target(Selection::Shot("s03".into())).request("ana");
         assert_eq!((subject.as_str(), request.shot.as_deref()), ("shots.cancel.tide.@project", Some("s03")));
+        let (subject, request) = target(Selection::All).request("ana");
+        assert_eq!((subject.as_str(), request.all), ("shots.cancel.tide.@project", true));
+        // Each request is one the fleet takes as it was meant.
+        for which in [jobs(&["ep1-s1"]), jobs(&["a", "b"]), Selection::Shot("s03".into()), Selection::All] {
+            let (subject, request) = target(which.clone()).request("ana");
+            let (_, token) = cancel::parse_subject(&subject).unwrap();
+            assert_eq!(request.selection(&token), Ok(which));
+        }
     }
 
     #[test]
     fn ids_that_cannot_be_subject_tokens_are_refused() {
-        assert!(selection(&["ep1.s1"], None).validate().unwrap_err().contains("ep1.s1"));
-        assert!(selection(&[], Some("s 3")).validate().is_err());
-        assert!(Selection { project: "a>b".into(), jobs: vec![], shot: None }.validate().unwrap_err().contains("project"));
-        assert!(selection(&["ok-1"], None).validate().is_ok());
+        assert!(target(jobs(&["ep1.s1"])).validate().unwrap_err().contains("ep1.s1"));
+        assert!(target(Selection::Shot("s 3".into())).validate().is_err());
+        assert!(target(jobs(&[])).validate().unwrap_err().contains("no jobs"));
+        assert!(Target { project: "a>b".into(), which: Selection::All }.validate().unwrap_err().contains("project"));
+        assert!(target(jobs(&["ok-1"])).validate().is_ok());
     }
 }

@@ -15,6 +15,7 @@ use clap::{Args, Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 use shotfleet_producer::wait::{Awaited, Outcome};
 use shotfleet_producer::{cancel, fleet, gallery, grouping, live, lora, replay, status, storyboard, submit, wait, watch};
+use shotfleet_schema::cancel::Selection;
 use shotfleet_schema::encoding::ContentType;
 use shotfleet_schema::failure::FailureReason;
 use shotfleet_schema::nats::{NatsArgs, NatsOptions, Topology};
@@ -125,12 +126,16 @@ struct CancelArgs {
     /// The project of the jobs.
     #[arg(long, env = "SHOTFLEET_PROJECT", value_parser = parse_project)]
     project: String,
-    /// Jobs to cancel; none: every unfinished job of the project (or of --shot).
+    /// Jobs to cancel.
     #[arg(value_name = "JOB")]
     jobs: Vec<String>,
-    /// Only the jobs of this shot.
-    #[arg(long, conflicts_with = "jobs")]
+    /// Instead of jobs: the unfinished jobs of this shot.
+    #[arg(long, conflicts_with_all = ["jobs", "all"])]
     shot: Option<String>,
+    /// Instead of jobs: every unfinished job of the project (never implied by naming none, so
+    /// that a list that came out empty cancels nothing).
+    #[arg(long, conflicts_with = "jobs")]
+    all: bool,
     /// Who cancels, as the outcome will say (neither given nor in USER: "shotfleet cancel").
     #[arg(long, env = "USER")]
     by: Option<String>,
@@ -616,11 +621,21 @@ async fn show_status(options: &NatsOptions, args: StatusArgs) -> Result<u8, Fail
 }
 
 async fn cancel_jobs(options: &NatsOptions, args: CancelArgs) -> Result<u8, Failure> {
-    let selection = cancel::Selection { project: args.project, jobs: args.jobs, shot: args.shot };
-    selection.validate().map_err(|e| bad_input(anyhow::anyhow!(e)))?;
+    let which = match (args.shot, args.all) {
+        (Some(shot), _) => Selection::Shot(shot),
+        (None, true) => Selection::All,
+        (None, false) if args.jobs.is_empty() => {
+            return Err(bad_input(anyhow::anyhow!(
+                "name the jobs to cancel, or --shot SHOT for a shot's, or --all for every unfinished job of the project"
+            )));
+        }
+        (None, false) => Selection::Jobs(args.jobs),
+    };
+    let target = cancel::Target { project: args.project, which };
+    target.validate().map_err(|e| bad_input(anyhow::anyhow!(e)))?;
     let by = args.by.filter(|by| !by.trim().is_empty()).unwrap_or_else(|| "shotfleet cancel".into());
     let js = connect(options).await?;
-    let reply = cancel::cancel(&js.client(), &selection, &by, args.timeout).await.map_err(server)?;
+    let reply = cancel::cancel(&js.client(), &target, &by, args.timeout).await.map_err(server)?;
     println!("{:<24} {:<12} {:<17} {:>7}  detail", "job", "shot", "result", "removed");
     let mut problems = 0;
     for job in &reply.jobs {

@@ -1,7 +1,9 @@
 //! Cancelling jobs: a request on `shots.cancel.<project>.<target>` that the fleet answers.
 //!
-//! `<target>` is a job id, or [`WHOLE_PROJECT`] for every unfinished job of the project (narrowed
-//! by the request's `shot` or `jobs`). One worker answers each request (a queue group): it claims
+//! `<target>` is a job id, or [`WHOLE_PROJECT`] with exactly one of the request's `jobs` (a list),
+//! `shot`, or `all` (every unfinished job of the project). A request is refused whole, nothing
+//! cancelled, when it is not exactly that: a misspelt field or a list that came out empty must
+//! not read as "the whole project". One worker answers each request (a queue group): it claims
 //! a `cancelled` outcome on each job's result subject (`Nats-Expected-Last-Subject-Sequence`, as
 //! every outcome), removes the job's queued messages from `SHOTS`, and replies with a
 //! [`CancelReply`]. A worker rendering a cancelled job sees the outcome land on the job's result
@@ -21,8 +23,10 @@ pub const WHOLE_PROJECT: &str = "@project";
 /// The queue group that answers cancel requests: exactly one worker handles each.
 pub const QUEUE_GROUP: &str = "shotfleet-cancel";
 
-/// A cancel request (the payload; an empty payload is a request with no name).
+/// A cancel request: a JSON object (an empty payload is a request with no name, for a job
+/// target). Unknown fields are refused, not ignored: this request deletes work.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
 #[schemars(title = "CancelRequest", description = "A shotfleet cancel request, contract version 1.")]
 pub struct CancelRequest {
     /// Contract version; 1.
@@ -31,12 +35,59 @@ pub struct CancelRequest {
     /// Who cancels, for the outcome's `failure.detail` (a person, a tool).
     #[serde(default)]
     pub by: String,
-    /// With target [`WHOLE_PROJECT`]: only these jobs.
+    /// With target [`WHOLE_PROJECT`]: these jobs (not empty).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub jobs: Vec<String>,
-    /// With target [`WHOLE_PROJECT`]: only the jobs of this shot.
+    /// With target [`WHOLE_PROJECT`]: the unfinished jobs of this shot.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub shot: Option<String>,
+    /// With target [`WHOLE_PROJECT`]: every unfinished job of the project. Must be set for that.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub all: bool,
+}
+
+/// The jobs a valid request selects.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Selection {
+    /// These job ids (one for a job target).
+    Jobs(Vec<String>),
+    /// The unfinished jobs of this shot.
+    Shot(String),
+    /// Every unfinished job of the project.
+    All,
+}
+
+impl CancelRequest {
+    /// What this request selects when sent to `target` (a job id or [`WHOLE_PROJECT`]).
+    ///
+    /// # Errors
+    /// Why the request is refused as a whole, for the reply's `error`.
+    pub fn selection(&self, target: &str) -> Result<Selection, String> {
+        if self.v != crate::VERSION {
+            return Err(format!("contract version {} is not supported; use {}", self.v, crate::VERSION));
+        }
+        let given: Vec<&str> =
+            [(!self.jobs.is_empty(), "jobs"), (self.shot.is_some(), "shot"), (self.all, "all")].iter().filter(|g| g.0).map(|g| g.1).collect();
+        if target != WHOLE_PROJECT {
+            return match given[..] {
+                [] => Ok(Selection::Jobs(vec![target.to_owned()])),
+                _ => Err(format!(
+                    "the subject names job `{target}`; `{}` is for requests to `{WHOLE_PROJECT}`",
+                    given.join("`, `")
+                )),
+            };
+        }
+        match (given.len(), &self.shot) {
+            (0, _) => Err(format!(
+                "a request to `{WHOLE_PROJECT}` names what to cancel: `jobs` (a non-empty list), `shot`, or `all: true` \
+                 for every unfinished job of the project"
+            )),
+            (2.., _) => Err(format!("give one of `jobs`, `shot` and `all`, not `{}` together", given.join("` and `"))),
+            (_, Some(shot)) => Ok(Selection::Shot(shot.clone())),
+            _ if self.all => Ok(Selection::All),
+            _ => Ok(Selection::Jobs(self.jobs.clone())),
+        }
+    }
 }
 
 /// The answer to a [`CancelRequest`].
@@ -103,5 +154,39 @@ pub fn parse_subject(subject: &str) -> Result<(String, String), String> {
     match subject.split('.').collect::<Vec<_>>()[..] {
         [crate::subject::ROOT, "cancel", project, target] => Ok((project.to_owned(), target.to_owned())),
         _ => Err(format!("`{subject}` is not a cancel subject: shots.cancel.<project>.<job_id|{WHOLE_PROJECT}>")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(json: &str) -> Result<CancelRequest, String> {
+        serde_json::from_str(json).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn a_request_for_the_whole_project_says_so() {
+        let select = |json: &str, target: &str| parse(json).and_then(|r| r.selection(target));
+        assert_eq!(select(r#"{"v":1,"all":true}"#, WHOLE_PROJECT), Ok(Selection::All));
+        assert_eq!(select(r#"{"jobs":["a","b"]}"#, WHOLE_PROJECT), Ok(Selection::Jobs(vec!["a".into(), "b".into()])));
+        assert_eq!(select(r#"{"shot":"s1"}"#, WHOLE_PROJECT), Ok(Selection::Shot("s1".into())));
+        assert_eq!(select("{}", "job-1"), Ok(Selection::Jobs(vec!["job-1".into()])));
+        // What an outside client sent by mistake, each of which cancelled every job of the project.
+        for (json, says) in [
+            (r#"{"v":1,"jobs":[]}"#, "names what to cancel"),
+            (r#"{"v":1}"#, "names what to cancel"),
+            (r#"{"v":1,"job":"x1"}"#, "unknown field `job`"),
+            (r#"{"job_ids":["x1"]}"#, "unknown field `job_ids`"),
+            (r#"{"shot":null}"#, "names what to cancel"),
+            (r#"{"v":2,"all":true}"#, "contract version 2"),
+            (r#"{"v":99,"jobs":["x1"]}"#, "contract version 99"),
+            (r#"{"jobs":["x1"],"all":true}"#, "not `jobs` and `all` together"),
+        ] {
+            let refused = select(json, WHOLE_PROJECT).unwrap_err();
+            assert!(refused.contains(says), "{json}: {refused}");
+        }
+        let refused = select(r#"{"all":true}"#, "job-1").unwrap_err();
+        assert!(refused.contains("names job `job-1`"), "{refused}");
     }
 }

@@ -78,3 +78,33 @@ async fn cancel_stops_a_render_and_removes_queued_jobs() {
     assert_eq!(out.status.code(), Some(1), "{}", text(&out));
     assert!(text(&out).contains("unknown"), "{}", text(&out));
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_request_that_does_not_say_which_jobs_cancels_nothing() {
+    let fleet = OneWorker::start().await;
+    let js = &fleet.js;
+    // Jobs of a class nobody serves stay queued: what a request may not touch by mistake.
+    let shots: Vec<_> = ["cz-1", "cz-2"].iter().map(|id| shot(Priority::P1, job(id, "cz", (1600, 1600), 1, 1))).collect();
+    submit(js, &shots).await;
+    let client = js.client();
+    // What an outside client sent by mistake; each of them once cancelled the whole project.
+    for payload in [r#"{"v":1,"jobs":[]}"#, r#"{"v":1,"job":"cz-1"}"#, r#"{"job_ids":["cz-1"]}"#, r#"{"v":2,"all":true}"#, "{}"] {
+        let answer = client.request("shots.cancel.cz.@project", payload.to_owned().into()).await.unwrap();
+        let reply: shotfleet_schema::cancel::CancelReply = serde_json::from_slice(&answer.payload).unwrap();
+        assert!(reply.error.is_some() && reply.jobs.is_empty(), "{payload}: {reply:?}");
+    }
+    // The CLI never reads "no jobs named" as "all of them" either.
+    let out = shotfleet(&fleet.url(), &["cancel", "--project", "cz"]).await;
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    assert!(text(&out).contains("--all"), "{}", text(&out));
+    let stream = js.get_stream(subject::RESULTS_STREAM).await.unwrap();
+    for id in ["cz-1", "cz-2"] {
+        assert!(stream.direct_get_last_for_subject(subject::result("cz", id)).await.is_err(), "{id} has an outcome");
+    }
+    // Asked for, the whole project goes.
+    let out = shotfleet(&fleet.url(), &["cancel", "--project", "cz", "--all"]).await;
+    assert!(out.status.success() && text(&out).contains("2 cancelled"), "{}", text(&out));
+    for id in ["cz-1", "cz-2"] {
+        assert_eq!(last_outcome(js, "cz", id).await.status, ResultStatus::Cancelled, "{id}");
+    }
+}

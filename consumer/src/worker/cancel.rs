@@ -14,7 +14,7 @@ use std::time::SystemTime;
 
 use async_nats::jetstream::stream::RawMessageErrorKind;
 use futures::StreamExt;
-use shotfleet_schema::cancel::{self, CancelReply, CancelRequest, CancelResult, CancelledJob, WHOLE_PROJECT};
+use shotfleet_schema::cancel::{self, CancelReply, CancelRequest, CancelResult, CancelledJob, Selection};
 use shotfleet_schema::encoding;
 use shotfleet_schema::validate::{MAX_ID_BYTES, MAX_PROJECT_BYTES, id_problem};
 use shotfleet_schema::{Failure, ResultStatus, ShotResult, Timing, subject};
@@ -75,26 +75,23 @@ async fn cancel_all(shared: &Shared, message: &async_nats::Message) -> Result<Ve
     let request: CancelRequest = if message.payload.is_empty() {
         CancelRequest::default()
     } else {
-        serde_json::from_slice(&message.payload).map_err(|e| format!("the request is not a CancelRequest: {e}"))?
+        serde_json::from_slice(&message.payload)
+            .map_err(|e| format!("the request is not a CancelRequest (a JSON object, cancel-request.schema.json): {e}"))?
     };
     if let Some(problem) = id_problem(&project, MAX_PROJECT_BYTES) {
         return Err(format!("project `{project}` {problem}"));
     }
-    let named: Vec<String> = if target == WHOLE_PROJECT { request.jobs.clone() } else { vec![target] };
-    if let Some((id, problem)) = named.iter().find_map(|id| id_problem(id, MAX_ID_BYTES).map(|p| (id, p))) {
+    let selection = request.selection(&target)?;
+    if let Selection::Jobs(named) = &selection
+        && let Some((id, problem)) = named.iter().find_map(|id| id_problem(id, MAX_ID_BYTES).map(|p| (id, p)))
+    {
         return Err(format!("job id `{id}` {problem}"));
     }
     let queued = queued_jobs(shared, &project).await?;
-    let mut jobs: Vec<(String, String)> = if named.is_empty() {
-        let mut selected: Vec<(String, String)> = queued
-            .iter()
-            .filter(|q| request.shot.as_ref().is_none_or(|shot| *shot == q.shot_id))
-            .map(|q| (q.job_id.clone(), q.shot_id.clone()))
-            .collect();
-        selected.dedup_by(|a, b| a.0 == b.0);
-        selected
-    } else {
-        named.into_iter().map(|id| (id, String::new())).collect()
+    let mut jobs: Vec<(String, String)> = match selection {
+        Selection::Jobs(named) => named.into_iter().map(|id| (id, String::new())).collect(),
+        Selection::Shot(shot) => in_queue(&queued, Some(&shot)),
+        Selection::All => in_queue(&queued, None),
     };
     jobs.sort();
     jobs.dedup_by(|a, b| a.0 == b.0);
@@ -105,6 +102,17 @@ async fn cancel_all(shared: &Shared, message: &async_nats::Message) -> Result<Ve
         answers.push(cancel_one(shared, &project, &job_id, &shot_id, &copies, &by).await);
     }
     Ok(answers)
+}
+
+/// The jobs (id, shot) with messages in `queued`, of `shot` when given, each once.
+fn in_queue(queued: &[Queued], shot: Option<&str>) -> Vec<(String, String)> {
+    let mut selected: Vec<(String, String)> = queued
+        .iter()
+        .filter(|q| shot.is_none_or(|shot| shot == q.shot_id))
+        .map(|q| (q.job_id.clone(), q.shot_id.clone()))
+        .collect();
+    selected.dedup_by(|a, b| a.0 == b.0);
+    selected
 }
 
 /// Every message of `project` in `SHOTS`, oldest first: queued, or delivered and not yet acked.
