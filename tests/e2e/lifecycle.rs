@@ -339,3 +339,77 @@ async fn the_next_render_starts_while_a_rendered_job_uploads() {
 async fn the_next_group_renders_while_a_rendered_group_uploads() {
     assert_eq!(renders_before_the_first_commit(2, "rendered a group").await, 2, "both groups rendered before the first commit");
 }
+
+/// Each outcome on a job's result subject, oldest first.
+async fn outcomes_of(js: &jetstream::Context, project: &str, job_id: &str) -> Vec<shotfleet_schema::ShotResult> {
+    let mut stream = js.get_stream(subject::RESULTS_STREAM).await.unwrap();
+    let last = stream.info().await.unwrap().state.last_sequence;
+    let mut found = Vec::new();
+    for seq in 1..=last {
+        if let Ok(message) = stream.get_raw_message(seq).await
+            && message.subject.as_str() == subject::result(project, job_id)
+        {
+            found.push(serde_json::from_slice(&message.payload).unwrap());
+        }
+    }
+    found
+}
+
+async fn wait_for_outcomes(js: &jetstream::Context, project: &str, job_id: &str, count: usize) -> Vec<shotfleet_schema::ShotResult> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let found = outcomes_of(js, project, job_id).await;
+        if found.len() >= count {
+            return found;
+        }
+        assert!(Instant::now() < deadline, "{job_id}: {} outcome(s), wanted {count}: {found:?}", found.len());
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// Publishes `job` as JSON with `fields` changed, under its own message id.
+async fn publish_raw(js: &jetstream::Context, subject: &str, job: &shotfleet_schema::ShotJob, fields: serde_json::Value, msg_id: &str) {
+    let mut payload = serde_json::to_value(job).unwrap();
+    payload.as_object_mut().unwrap().extend(fields.as_object().unwrap().clone());
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert("Nats-Msg-Id", msg_id);
+    js.publish_with_headers(subject.to_owned(), headers, serde_json::to_vec(&payload).unwrap().into()).await.unwrap().await.unwrap();
+}
+
+#[tokio::test]
+async fn every_request_of_a_job_gets_its_own_outcome_an_invalid_resubmission_included() {
+    let server = NatsServer::start();
+    let js = jetstream_with(&server.url(), &Topology::default()).await;
+    let store = tempfile::tempdir().unwrap();
+    let _worker = Worker::start(&server.url(), WorkerSpec::new("resubmit", store.path()));
+
+    // Refused, then refused again for another reason: the second request has its own outcome
+    // (its claim expects the first; once it expected none and the server refused it).
+    let first = job("rs-1", "acme", (64, 64), 2, 1);
+    publish_raw(&js, "shots.p1.xs.acme", &first, serde_json::json!({"steps": 0}), "acme/rs-1").await;
+    let found = wait_for_outcomes(&js, "acme", "rs-1", 1).await;
+    assert!(found[0].failure.as_ref().unwrap().detail.contains("steps"), "{found:?}");
+    publish_raw(&js, "shots.p1.xs.acme", &first, serde_json::json!({"width": 100}), "acme/rs-1:b").await;
+    let found = wait_for_outcomes(&js, "acme", "rs-1", 2).await;
+    assert!(found[1].failure.as_ref().unwrap().detail.contains("width"), "{found:?}");
+    // Fixed, it renders: a failure settles only what was published before it.
+    publish_raw(&js, "shots.p1.xs.acme", &first, serde_json::json!({}), "acme/rs-1:c").await;
+    let found = wait_for_outcomes(&js, "acme", "rs-1", 3).await;
+    assert_eq!(found[2].status, ResultStatus::Done, "{found:?}");
+    // Once done, a copy is settled by the result, not rendered nor failed.
+    publish_raw(&js, "shots.p1.xs.acme", &first, serde_json::json!({"steps": 0}), "acme/rs-1:d").await;
+    wait_settled(&js, Duration::from_secs(20)).await;
+    assert_eq!(outcomes_of(&js, "acme", "rs-1").await.len(), 3);
+
+    // Cancelled while queued (a class nobody here serves), then re-submitted invalid: its
+    // failure follows the cancellation, with its failed record (it once vanished as "cancelled").
+    let second = job("rs-2", "acme", (1600, 1600), 1, 1);
+    submit(&js, &[shot(Priority::P1, second.clone())]).await;
+    let answer = js.client().request("shots.cancel.acme.rs-2", "{}".into()).await.unwrap();
+    assert!(String::from_utf8_lossy(&answer.payload).contains("\"cancelled\""), "{answer:?}");
+    let records_before = failed_records(&js).await.len();
+    publish_raw(&js, "shots.p1.xs.acme", &job("rs-2", "acme", (64, 64), 2, 1), serde_json::json!({"steps": 0}), "acme/rs-2:b").await;
+    let found = wait_for_outcomes(&js, "acme", "rs-2", 2).await;
+    assert_eq!((found[0].status, found[1].status), (ResultStatus::Cancelled, ResultStatus::Failed), "{found:?}");
+    wait_for_records(&js, records_before + 1, Duration::from_secs(10)).await;
+}

@@ -20,7 +20,7 @@ use shotfleet_schema::failure::FailureReason;
 use shotfleet_schema::subject;
 
 use crate::worker::Shared;
-use crate::worker::commit;
+use crate::worker::commit::{self, Standing};
 use crate::worker::failed::{self, Case, Recorded};
 
 #[derive(Deserialize)]
@@ -72,12 +72,12 @@ async fn rescue(shared: &Shared, advisory: MaxDeliveries) {
         last_outcome: 0,
     };
     if let Some(ids) = case.ids() {
-        match commit::last_outcome(shared, &ids.project, &ids.job_id).await {
-            Ok(Some(outcome)) if outcome.settles(published) => {
+        match commit::standing(shared, &ids.project, &ids.job_id, published).await {
+            Ok(Standing::Settled(_)) => {
                 remove(&stream, advisory.stream_seq, &ids.job_id, "job past max deliveries already has its outcome; removed").await;
                 return;
             }
-            Ok(last) => case.last_outcome = last.map_or(0, |o| o.sequence),
+            Ok(Standing::Open { last }) => case.last_outcome = last,
             Err(e) => {
                 tracing::warn!(seq = advisory.stream_seq, error = %e, "cannot rescue a job past max deliveries now; it stays in the stream");
                 return;

@@ -86,6 +86,29 @@ pub async fn last_outcome_in(
     }
 }
 
+/// Where a job message stands against its job's last outcome.
+#[derive(Debug)]
+pub enum Standing {
+    /// The outcome settles the message ([`Outcome::settles`]): it is only swept and acked.
+    Settled(Box<Outcome>),
+    /// The message is a request of its own; its outcome claims over `last` (0: none).
+    Open { last: u64 },
+}
+
+/// Looks up the last outcome of `project`/`job_id` and says whether it settles a message
+/// published at `published`. Every path that settles a message asks this first, a payload
+/// that is refused as invalid included: its outcome must claim over the job's last one, or
+/// a re-submission after a failure would find its own failure refused by the server.
+///
+/// # Errors
+/// A transient [`JobError`] when the results stream cannot be read.
+pub async fn standing(shared: &Shared, project: &str, job_id: &str, published: SystemTime) -> Result<Standing, JobError> {
+    Ok(match last_outcome(shared, project, job_id).await? {
+        Some(outcome) if outcome.settles(published) => Standing::Settled(Box::new(outcome)),
+        last => Standing::Open { last: last.map_or(0, |o| o.sequence) },
+    })
+}
+
 /// What claiming a job's result subject found.
 #[derive(Debug)]
 pub enum Claim {

@@ -72,13 +72,19 @@ impl Case<'_> {
     /// sweeps) another's. A payload that did not decode may still name its job, so that its
     /// producer hears why.
     pub fn ids(&self) -> Option<JobIds> {
-        let project = subject::parse_job(self.original_subject).ok()?.project;
-        let ids = match self.job {
-            Some(job) => JobIds { project, ..job.ids() },
-            None => encoding::read_ids(self.content_type, &self.payload, &project)?,
-        };
-        commit::names_a_subject(&ids).then_some(ids)
+        ids_of(self.original_subject, self.job, self.content_type, &self.payload)
     }
+}
+
+/// The ids the outcome of a job message goes under ([`Case::ids`]): from the decoded `job`, else
+/// read from the payload; in the project of the subject it was published under.
+pub(crate) fn ids_of(original_subject: &str, job: Option<&ShotJob>, content_type: Option<&str>, payload: &[u8]) -> Option<JobIds> {
+    let project = subject::parse_job(original_subject).ok()?.project;
+    let ids = match job {
+        Some(job) => JobIds { project, ..job.ids() },
+        None => encoding::read_ids(content_type, payload, &project)?,
+    };
+    commit::names_a_subject(&ids).then_some(ids)
 }
 
 /// What failing a job came to.

@@ -14,14 +14,14 @@ use crate::failure::JobError;
 use crate::faults::CrashPoint;
 use crate::pipeline::RenderOutput;
 use crate::telemetry::{self, JobOutcome};
-use crate::worker::commit::{self, Claim};
+use crate::worker::commit::{self, Claim, Standing};
 use crate::worker::delivery::{Delivery, KeepAlive, Kept};
 use crate::worker::lora::JobSet;
 use crate::worker::progress::Reporter;
 use crate::worker::render::{Rendered, render_job};
 use crate::worker::settle::{Handled, Held, settle};
 use crate::worker::watch::OutcomeWatch;
-use crate::worker::{Shared, Slot, route};
+use crate::worker::{Shared, Slot, failed, route};
 
 /// A delivery taken by this worker: kept alive until it is settled.
 pub(crate) struct Taken {
@@ -134,27 +134,33 @@ pub(crate) async fn take(shared: &Shared, kept: Kept) -> (Taken, Next) {
         Ok(job) => Some(OutcomeWatch::subscribe(shared, job).await),
         Err(_) => None,
     };
-    let (job, last_outcome, mut next) = match decoded {
-        Err(rejected) => {
-            let Rejected { job, why } = *rejected;
-            (job, 0, Next::Settle(Handled::Stopped(JobError::invalid(why.to_string()))))
+    // The job's last outcome first, for every message that names a job: a rendered result
+    // settles it, a failure or cancellation settles it when stored after it was published, and
+    // anything else claims over that outcome (an invalid re-submission after a failure too).
+    let (job, invalid) = match decoded {
+        Ok(job) => (Some(job), None),
+        Err(rejected) => (rejected.job, Some(JobError::invalid(rejected.why.to_string()))),
+    };
+    let content_type = delivery.content_type();
+    let ids = failed::ids_of(delivery.subject(), job.as_ref(), content_type.as_deref(), &delivery.message.payload);
+    let standing = match &ids {
+        Some(ids) => commit::standing(shared, &ids.project, &ids.job_id, delivery.published).await,
+        None => Ok(Standing::Open { last: 0 }),
+    };
+    let (last_outcome, mut next) = match (standing, invalid) {
+        (Err(e), _) => (0, Next::Settle(Handled::Stopped(e))),
+        (Ok(Standing::Settled(outcome)), _) => {
+            (outcome.sequence, Next::Settle(Handled::Committed { result: Box::new(outcome.result), ours: false }))
         }
-        // The outcome first, routing second: a cancelled `auto` job is settled here, not
-        // re-published as a new message that its cancellation would not settle.
-        Ok(job) => match commit::last_outcome(shared, &job.project, &job.job_id).await {
-            Ok(Some(outcome)) if outcome.settles(delivery.published) => {
-                let settled = Handled::Committed { result: Box::new(outcome.result), ours: false };
-                (Some(job), outcome.sequence, Next::Settle(settled))
+        (Ok(Standing::Open { last }), Some(invalid)) => (last, Next::Settle(Handled::Stopped(invalid))),
+        // Routing after the look-up: a cancelled `auto` job is settled above, not re-published
+        // as a new message that its cancellation would not settle.
+        (Ok(Standing::Open { last }), None) => match job.as_ref().filter(|job| route::needs_routing(&delivery, job)) {
+            Some(job) => {
+                let routed = route::reroute(shared, &delivery, job).await;
+                (0, Next::Settle(routed.map_or_else(Handled::Stopped, |()| Handled::Routed)))
             }
-            Ok(_) if route::needs_routing(&delivery, &job) => {
-                let handled = match route::reroute(shared, &delivery, &job).await {
-                    Ok(()) => Handled::Routed,
-                    Err(e) => Handled::Stopped(e),
-                };
-                (Some(job), 0, Next::Settle(handled))
-            }
-            Ok(last) => (Some(job), last.map_or(0, |o| o.sequence), Next::Render),
-            Err(e) => (Some(job), 0, Next::Settle(Handled::Stopped(e))),
+            None => (last, Next::Render),
         },
     };
     let mut set = None;

@@ -190,7 +190,13 @@ async fn finish_committed(shared: &Shared, held: &Held<'_>, result: &ShotResult,
     }
     match (ours, result.status) {
         (false, ResultStatus::Cancelled) => JobOutcome::Cancelled,
-        (false, _) => JobOutcome::DuplicateSkip,
+        (false, status) => {
+            // A copy of a finished job (a re-publish under a new message id, a redelivery after
+            // another worker committed): said, so that a producer's re-submission that renders
+            // nothing is found in the log.
+            info!(job = %result.job_id, status = ?status, by = %result.worker, "the job already has its outcome: this message is settled by it, not rendered");
+            JobOutcome::DuplicateSkip
+        }
         (true, ResultStatus::Done) => JobOutcome::Done,
         (true, ResultStatus::Degraded) => JobOutcome::Degraded,
         (true, ResultStatus::Failed | ResultStatus::Cancelled) => JobOutcome::Failed,
