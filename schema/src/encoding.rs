@@ -145,12 +145,13 @@ pub fn read_ids(content_type: Option<&str>, payload: &[u8], subject_project: &st
     }
     let payload = payload.strip_prefix(BOM).unwrap_or(payload);
     let declared = ContentType::from_header(content_type).ok();
+    // Leniently: a payload refused for its size or for bytes after the job still names it.
     let probe: IdsProbe = [declared, Some(ContentType::Json), Some(ContentType::MessagePack)]
         .into_iter()
         .flatten()
         // A map, not fields in order: an array's first strings name no job.
         .filter(|content_type| starts_as_map(*content_type, payload))
-        .find_map(|content_type| decode(content_type, payload).ok())?;
+        .find_map(|content_type| parse(content_type, payload, Rest::Ignored).ok())?;
     // Values, not strings, so that a wrongly typed id does not hide the other one.
     let id = |value: Option<serde_json::Value>| {
         value.and_then(|v| v.as_str().map(str::to_owned)).filter(|id| id_problem(id, MAX_ID_BYTES).is_none())
@@ -187,32 +188,57 @@ pub fn decode<T: DeserializeOwned>(
     if payload.is_empty() {
         return Err(DecodeError::Empty);
     }
+    parse(content_type, payload, Rest::Refused)
+}
+
+/// Whether bytes may follow the value: a job is one value per message, but its ids may still be
+/// read from a payload with something after it.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Rest {
+    Refused,
+    Ignored,
+}
+
+fn parse<T: DeserializeOwned>(content_type: ContentType, payload: &[u8], rest: Rest) -> Result<T, DecodeError> {
+    let after = |bytes: usize| DecodeError::Malformed {
+        format: content_type.name(),
+        path: ".".into(),
+        detail: format!("{bytes} byte(s) follow the value; send one value per message"),
+    };
+    // Each format, sent under the other's name, is said to be so.
+    let misnamed = |error: DecodeError, other: ContentType, header: &str| match error {
+        DecodeError::Malformed { format, path, detail } if starts_as_map(other, payload) => DecodeError::Malformed {
+            format,
+            path,
+            detail: format!("{detail} (this looks like {}: send it with `{HEADER}: {header}`)", other.name()),
+        },
+        error => error,
+    };
     match content_type {
         ContentType::Json => {
             if payload.starts_with(BOM) {
                 return Err(DecodeError::ByteOrderMark);
             }
             let mut de = serde_json::Deserializer::from_slice(payload);
-            let value = serde_path_to_error::deserialize(&mut de).map_err(|e| match malformed(content_type, e) {
-                // No JSON starts as a MessagePack map does: say which header it lacks.
-                DecodeError::Malformed { format, path, detail } if starts_as_map(ContentType::MessagePack, payload) => DecodeError::Malformed {
-                    format,
-                    path,
-                    detail: format!("{detail} (this looks like MessagePack: send it with `{HEADER}: application/msgpack`)"),
-                },
-                other => other,
-            })?;
-            de.end().map_err(|e| DecodeError::Malformed {
-                format: content_type.name(),
-                path: ".".into(),
-                detail: e.to_string(),
-            })?;
+            let value = serde_path_to_error::deserialize(&mut de)
+                .map_err(|e| misnamed(malformed(content_type, e), ContentType::MessagePack, ContentType::MessagePack.as_str()))?;
+            if rest == Rest::Refused {
+                de.end().map_err(|e| DecodeError::Malformed { format: content_type.name(), path: ".".into(), detail: e.to_string() })?;
+            }
             Ok(value)
         }
         ContentType::MessagePack => {
-            let mut de = rmp_serde::Deserializer::from_read_ref(payload);
-            de.set_max_depth(MAX_MSGPACK_DEPTH);
-            serde_path_to_error::deserialize(&mut de).map_err(|e| malformed(content_type, e))
+            let mut unread = payload;
+            let value = {
+                let mut de = rmp_serde::Deserializer::new(&mut unread);
+                de.set_max_depth(MAX_MSGPACK_DEPTH);
+                serde_path_to_error::deserialize(&mut de)
+                    .map_err(|e| misnamed(malformed(content_type, e), ContentType::Json, "application/json (or none)"))?
+            };
+            if rest == Rest::Refused && !unread.is_empty() {
+                return Err(after(unread.len()));
+            }
+            Ok(value)
         }
     }
 }
@@ -244,12 +270,14 @@ fn starts_as_map(content_type: ContentType, payload: &[u8]) -> bool {
 }
 
 /// Whether a job payload is a map, or something [`decode`] names better (an empty or oversized
-/// payload, a byte order mark, MessagePack sent as JSON).
+/// payload, a byte order mark, one format sent under the other's name).
 fn is_a_map(content_type: ContentType, payload: &[u8]) -> bool {
-    let named_by_decode = payload.is_empty()
-        || payload.len() > MAX_PAYLOAD_BYTES
-        || payload.starts_with(BOM)
-        || (content_type == ContentType::Json && starts_as_map(ContentType::MessagePack, payload));
+    let other = match content_type {
+        ContentType::Json => ContentType::MessagePack,
+        ContentType::MessagePack => ContentType::Json,
+    };
+    let named_by_decode =
+        payload.is_empty() || payload.len() > MAX_PAYLOAD_BYTES || payload.starts_with(BOM) || starts_as_map(other, payload);
     named_by_decode || starts_as_map(content_type, payload)
 }
 

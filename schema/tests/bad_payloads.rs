@@ -73,7 +73,9 @@ fn decode_errors_are_specific() {
     check("json array", None, br#"[1, "j1"]"#, Expect::Decode("a job is a map of named fields"));
     check("msgpack array", Some("application/msgpack"), &msgpack(&serde_json::json!([1, "j1", "acme"])), Expect::Decode("a job is a map of named fields"));
     check("unknown content type", Some("text/yaml"), GOOD.as_bytes(), Expect::Decode("Content-Type"));
-    check("json sent as msgpack", Some("application/msgpack"), GOOD.as_bytes(), Expect::Decode("MessagePack"));
+    check("json sent as msgpack", Some("application/msgpack"), GOOD.as_bytes(), Expect::Decode("this looks like JSON"));
+    // One value per message in either format (MessagePack's extra bytes were read past).
+    check("trailing msgpack", Some("application/msgpack"), &[full.as_slice(), b"\xc0\xc0"].concat(), Expect::Decode("2 byte(s) follow"));
     check("msgpack sent as json", None, &full, Expect::Decode("send it with `Content-Type: application/msgpack`"));
 
     let mut big = good.clone();
@@ -197,4 +199,11 @@ fn a_payload_that_does_not_decode_may_still_name_its_job() {
     assert_eq!(ids(None, br#"[1,2]"#), None);
     assert_eq!(ids(None, br#"["j4","s4"]"#), None, "fields in order name no job");
     assert_eq!(ids(None, b"prompt=a cat"), None);
+    // Refused for its size or for what follows it, a payload still names its job.
+    let mut big: serde_json::Value = serde_json::from_str(GOOD).unwrap();
+    big["notes"] = serde_json::Value::String("x".repeat(70_000));
+    assert_eq!(ids(None, &serde_json::to_vec(&big).unwrap()), named("j1", "s1"));
+    assert_eq!(ids(None, &[GOOD.as_bytes(), b"xyz"].concat()), named("j1", "s1"));
+    let good: serde_json::Value = serde_json::from_str(GOOD).unwrap();
+    assert_eq!(ids(Some("application/msgpack"), &[msgpack(&good).as_slice(), b"\xc0"].concat()), named("j1", "s1"));
 }

@@ -58,7 +58,7 @@ async fn rescue(shared: &Shared, advisory: MaxDeliveries) {
         tracing::debug!(seq = advisory.stream_seq, "already settled");
         return;
     };
-    let content_type = message.headers.get(encoding::HEADER).map(|v| v.as_str().to_owned());
+    let content_type = shotfleet_schema::nats::content_type(&message.headers);
     let job = encoding::decode_job(content_type.as_deref(), &message.payload).ok();
     let published: SystemTime = message.time.into();
     let mut case = Case {

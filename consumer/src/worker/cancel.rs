@@ -128,7 +128,7 @@ async fn queued_jobs(shared: &Shared, project: &str) -> Result<Vec<Queued>, Stri
             Err(e) => return Err(format!("cannot read the project's queued jobs: {e}")),
         };
         next = message.sequence + 1;
-        let content_type = message.headers.get(encoding::HEADER).map(|v| v.as_str().to_owned());
+        let content_type = shotfleet_schema::nats::content_type(&message.headers);
         // An undecodable payload names no job: it fails as invalid when a worker takes it.
         if let Ok(job) = encoding::decode_job(content_type.as_deref(), &message.payload) {
             found.push(Queued { sequence: message.sequence, job_id: job.job_id, shot_id: job.shot_id, published: message.time.into() });

@@ -51,8 +51,9 @@ impl Delivery {
         self.header(shotfleet_schema::encoding::HEADER)
     }
 
+    /// A header of the message, its name's case ignored.
     pub fn header(&self, name: &str) -> Option<String> {
-        self.message.headers.as_ref().and_then(|h| h.get(name)).map(|v| v.as_str().to_owned())
+        self.message.headers.as_ref().and_then(|h| shotfleet_schema::nats::header_value(h, name))
     }
 
     /// The project token of the subject (for failed records of undecodable payloads).

@@ -16,6 +16,22 @@ pub use connect::{ConnectError, NatsOptions, redact};
 pub use ping::ping;
 pub use topology::{Topology, TopologyError, TopologyReport};
 
+/// The value of header `name` in `headers`, the name's case ignored: NATS keeps names as
+/// written, and clients in other languages write `content-type` (a Python dict, Node's
+/// `headers.set`). The name as written here wins where both are present.
+pub fn header_value(headers: &async_nats::HeaderMap, name: &str) -> Option<String> {
+    let value = headers.get(name).or_else(|| {
+        let mut named = headers.iter().filter(|(key, _)| AsRef::<str>::as_ref(*key).eq_ignore_ascii_case(name));
+        named.next().and_then(|(_, values)| values.first())
+    });
+    value.map(|v| v.as_str().to_owned())
+}
+
+/// The Content-Type of a message ([`crate::encoding::HEADER`], any case).
+pub fn content_type(headers: &async_nats::HeaderMap) -> Option<String> {
+    header_value(headers, crate::encoding::HEADER)
+}
+
 /// A header map from `(name, value)` pairs, never panicking: async-nats panics on a value with
 /// a CR or LF, so a value that is not a valid header value (it never should be: build values
 /// with [`crate::failure::header_safe`] or from validated ids) is made safe first.
@@ -28,4 +44,18 @@ pub fn header_map<'a>(pairs: impl IntoIterator<Item = (&'a str, &'a str)>) -> as
         headers.insert(name, value);
     }
     headers
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_header_is_found_whatever_the_case_of_its_name() {
+        let headers = header_map([("content-type", "application/msgpack")]);
+        assert_eq!(content_type(&headers).as_deref(), Some("application/msgpack"));
+        let both = header_map([("CONTENT-TYPE", "text/plain"), ("Content-Type", "application/json")]);
+        assert_eq!(content_type(&both).as_deref(), Some("application/json"), "the exact name wins");
+        assert_eq!(content_type(&header_map([])), None);
+    }
 }
