@@ -80,7 +80,9 @@ pub(crate) async fn render_job(shared: &Arc<Shared>, taken: &Taken) -> Result<Re
             return Err(JobError::give_back(OOM_DELAY, format!("out of memory on {}; offered to the fleet at full size", shared.config.worker_id)));
         }
         let Some(next) = next_in_place(job, attempt, stage) else {
-            return Err(hand_off_or_degrade(shared, delivery, job, error.detail).await);
+            let tiled = if attempt.vae == VaeDecode::Whole { "" } else { " with a tiled VAE" };
+            let detail = format!("out of memory at {}x{} one image at a time{tiled}: {}", job.width, job.height, error.detail);
+            return Err(hand_off_or_degrade(shared, delivery, job, detail).await);
         };
         attempt = next;
         reservation = match shared.budget.reserve(job.width, job.height, attempt.batch, 0) {

@@ -138,7 +138,9 @@ async fn degrade_or_fail(shared: &Shared, held: &Held<'_>, detail: &str) -> JobO
         return failed_attempt(shared, held, detail).await;
     };
     let Some(smaller) = degrade::next_rung(job, &shared.config.degrade) else {
-        let detail = format!("out of memory at {}x{} one image at a time with a tiled VAE, and the floor is reached: {detail}", job.width, job.height);
+        // The detail says why (out of memory one image at a time, not one image fits this card,
+        // no live worker holds the class); this says why it ends here.
+        let detail = format!("{detail}; no rung down the degrade ladder is left above its floor");
         return fail(shared, held, FailureReason::Oom, &detail, 1).await;
     };
     match degrade::republish(shared, held.delivery, &smaller).await {
