@@ -9,7 +9,9 @@ use crate::class::MemoryClass;
 ///
 /// The priority is not a field: it is the subject's (`shots.<prio>.<class>.<project>`), so that a
 /// worker can choose what to fetch without opening payloads. Unknown fields are ignored, so a
-/// newer producer can add optional fields without breaking older workers.
+/// newer producer can add optional fields without breaking older workers. The bounds below say
+/// "by default": a worker enforces its own `[limits]`, and refuses a job outside them as
+/// `invalid` with the field named.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[schemars(title = "ShotJob", description = "A shotfleet render job, contract version 1.")]
 pub struct ShotJob {
@@ -31,24 +33,26 @@ pub struct ShotJob {
     /// What to steer away from. Absent or empty means SDXL's zero negative embedding.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub negative_prompt: Option<String>,
-    /// Image width in pixels: a positive multiple of 8.
+    /// Image width in pixels: a positive multiple of 8 (the model may ask for 16 or 64), in
+    /// 64..=2048 by default; width x height x images x steps at most 1,000 million by default.
     #[schemars(range(min = 8))]
     pub width: u32,
-    /// Image height in pixels: a positive multiple of 8.
+    /// Image height in pixels: as `width`.
     #[schemars(range(min = 8))]
     pub height: u32,
-    /// Denoising steps.
+    /// Denoising steps, 1..=150 by default.
     #[schemars(range(min = 1))]
     pub steps: u32,
-    /// Classifier-free guidance scale (finite).
+    /// Classifier-free guidance scale (finite), 0..=30 by default.
     pub guidance: f32,
     /// Seed of image 0; image `i` uses the noise of (`seed`, `i`), however the images are batched.
     pub seed: u64,
-    /// How many images of this shot to render.
+    /// How many images of this shot to render, 1..=8 by default.
     #[serde(default = "one")]
     #[schemars(range(min = 1))]
     pub images: u32,
-    /// LoRA adapters to apply, by name, with their weights; each name at most once.
+    /// LoRA adapters to apply, by name, with their weights; each name at most once; at most 8
+    /// by default.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub loras: Vec<Lora>,
     /// The least a degraded render may fall to; absent means the job must not be degraded
@@ -71,7 +75,7 @@ pub struct Lora {
     /// Letters, digits, `_`, `-` and `.`; no path separators, no `..`.
     #[schemars(length(min = 1, max = 96), regex(pattern = r"^[A-Za-z0-9_.-]+$"))]
     pub name: String,
-    /// Strength, finite.
+    /// Strength, finite, in -4..=4 by default.
     pub weight: f32,
 }
 
