@@ -381,7 +381,7 @@ impl WorkerConfig {
         }
         if let Some(v) = pick(flags.metrics_addr, "SHOTFLEET_METRICS_ADDR") {
             config.telemetry.listen =
-                v.parse().map_err(|_| bad("--metrics-addr", format!("`{v}` is not an address like 0.0.0.0:9400")))?;
+                v.parse().map_err(|_| bad("--metrics-addr (SHOTFLEET_METRICS_ADDR)", format!("`{v}` is not an IP address and port like 0.0.0.0:9400 (no host names)")))?;
         }
         if let Some(v) = flags.grace_period {
             config.grace_period = parse_duration(&v).map_err(|e| bad("--grace-period", e))?;
@@ -436,6 +436,10 @@ impl WorkerConfig {
         }
         if self.affinity_passes > 64 {
             return Err(bad("affinity_passes", format!("{} is outside 0..=64", self.affinity_passes)));
+        }
+        // An idle worker polls its queues this often: at 0 it spins a core against the server.
+        if self.idle_poll < Duration::from_millis(10) || self.idle_poll > Duration::from_secs(60) {
+            return Err(bad("idle_poll", format!("{:?} is outside 10ms..=60s", self.idle_poll)));
         }
         if self.job_time_limit < Duration::from_secs(1) {
             return Err(bad("job_time_limit", "must be at least 1s"));

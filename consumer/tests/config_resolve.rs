@@ -137,6 +137,8 @@ fn bad_settings_are_named() {
     assert!(e.contains("faults.arena_limit_mib") && e.contains("cpu_arena_max_mib"), "{e}");
     // A slip of zeros in the thread count started 100,000 threads a graph and ate the host's
     // memory before the first job.
+    let e = error(&cpu("idle_poll = \"0s\"", ""), &with_model, Overrides::default());
+    assert!(e.contains("idle_poll: 0ns is outside 10ms..=60s"), "{e}");
     for threads in [0, 100_000] {
         let e = error(&cpu(&format!("intra_threads = {threads}"), ""), &with_model, Overrides::default());
         assert!(e.contains(&format!("intra_threads: {threads} is outside 1..=256")), "{e}");

@@ -446,6 +446,12 @@ impl Pipeline {
             path: model_dir.join("scheduler/scheduler_config.json"),
             detail,
         })?;
+        if let Some(named) = EulerDiscrete::other_sampler(&config.scheduler) {
+            tracing::warn!(
+                scheduler = named,
+                "the model folder names another sampler; shotfleet samples with Euler discrete on the folder's noise schedule"
+            );
+        }
         let (env, ort_version) = session::environment(options.ort_library.as_deref())?;
         if let Some(max_mem) = options.cpu_arena_max_mem {
             session::cap_cpu_arena(&env, max_mem)?;

@@ -9,7 +9,9 @@
 use serde::Deserialize;
 
 /// `scheduler/scheduler_config.json`, with diffusers' defaults for absent keys. Unknown keys
-/// (`_class_name`, options of other schedulers that share the file) are ignored.
+/// (options of other schedulers that share the file) are ignored. The sampler is always Euler
+/// discrete, on the file's noise schedule: a folder naming another (`_class_name`, DDIM or
+/// DPM-Solver in many fine-tunes) loads, with a warning that says so.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(default)]
 pub struct SchedulerConfig {
@@ -129,6 +131,14 @@ impl EulerDiscrete {
             }
             (None, other) => return unsupported(&format!("beta_schedule {other:?}")),
         };
+        // Each beta is a variance added per step: outside (0, 1) the schedule has no meaning,
+        // and its NaNs would surface only at the decoder.
+        if let Some((t, beta)) = betas.iter().enumerate().find(|(_, b)| !(**b > 0.0 && **b < 1.0)) {
+            return Err(format!(
+                "beta at timestep {t} is {beta}: every beta must lie in (0, 1) (beta_start {}, beta_end {}, {})",
+                config.beta_start, config.beta_end, config.beta_schedule
+            ));
+        }
         // torch.cumprod on the CPU accumulates f32 in f64 and stores each partial product as f32.
         let mut acc = 1.0f64;
         let train_sigmas = betas
@@ -140,6 +150,11 @@ impl EulerDiscrete {
             })
             .collect();
         Ok(EulerDiscrete { spacing, steps_offset: config.steps_offset, prediction, train_sigmas })
+    }
+
+    /// The sampler a folder's `_class_name` names when it is not this one, for the load warning.
+    pub fn other_sampler(config: &SchedulerConfig) -> Option<&str> {
+        config.class_name.as_deref().filter(|name| !matches!(*name, "EulerDiscreteScheduler"))
     }
 
     pub fn prediction(&self) -> Prediction {
@@ -322,6 +337,18 @@ mod tests {
     // s = EulerDiscreteScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
     //     timestep_spacing=..., steps_offset=...); s.set_timesteps(n); print(s.timesteps, s.sigmas,
     //     s.init_noise_sigma)
+    #[test]
+    fn a_schedule_outside_its_range_is_refused_and_another_sampler_is_named() {
+        let wrong = SchedulerConfig { beta_schedule: "linear".into(), beta_end: 2.0, ..sdxl() };
+        let refused = EulerDiscrete::new(&wrong).unwrap_err();
+        assert!(refused.contains("must lie in (0, 1)") && refused.contains("beta_end 2"), "{refused}");
+        let ddim = SchedulerConfig { class_name: Some("DDIMScheduler".into()), ..sdxl() };
+        assert!(EulerDiscrete::new(&ddim).is_ok());
+        assert_eq!(EulerDiscrete::other_sampler(&ddim), Some("DDIMScheduler"));
+        let euler = SchedulerConfig { class_name: Some("EulerDiscreteScheduler".into()), ..sdxl() };
+        assert_eq!(EulerDiscrete::other_sampler(&euler), None);
+    }
+
     #[test]
     fn diffusers_leading_4() {
         let config = SchedulerConfig { timestep_spacing: "leading".into(), steps_offset: 1, ..sdxl() };

@@ -14,6 +14,9 @@ pub struct Health {
     state: Arc<RwLock<State>>,
     /// Shown after the state: which classes the worker serves, and why not the others.
     detail: Arc<RwLock<String>>,
+    /// The worker's NATS connection once it has one: a ready worker cut off from the server
+    /// takes no jobs and commits none, so it is not ready until the client reconnects.
+    nats: Arc<RwLock<Option<async_nats::Client>>>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -31,7 +34,12 @@ impl Default for Health {
 
 impl Health {
     pub fn new() -> Self {
-        Self { state: Arc::new(RwLock::new(State::NotReady("starting".into()))), detail: Arc::default() }
+        Self { state: Arc::new(RwLock::new(State::NotReady("starting".into()))), detail: Arc::default(), nats: Arc::default() }
+    }
+
+    /// Readiness follows `client`'s connection from now on.
+    pub fn watch_connection(&self, client: async_nats::Client) {
+        *self.nats.write().unwrap_or_else(PoisonError::into_inner) = Some(client);
     }
 
     /// Lines `/readyz` shows after its first, ready or not (`m: not served (...)`).
@@ -58,7 +66,12 @@ impl Health {
 
     /// `Ok` when ready, else why not.
     pub fn readiness(&self) -> Result<(), String> {
+        let connected = || {
+            let nats = self.nats.read().unwrap_or_else(PoisonError::into_inner);
+            nats.as_ref().is_none_or(|client| client.connection_state() == async_nats::connection::State::Connected)
+        };
         match &*self.state.read().unwrap_or_else(PoisonError::into_inner) {
+            State::Ready if !connected() => Err("not ready: disconnected from NATS; reconnecting".into()),
             State::Ready => Ok(()),
             State::NotReady(reason) => Err(format!("not ready: {reason}")),
             State::Draining => Err("draining: shutting down".into()),

@@ -259,7 +259,6 @@ pub async fn run(
         warn!(faults = ?config.faults, "FAULT INJECTION IS ON: this worker will misbehave on purpose");
     }
     let stop = CancellationToken::new();
-    let shutdown_requested = stop.clone();
     {
         let stop = stop.clone();
         tokio::spawn(async move {
@@ -272,7 +271,10 @@ pub async fn run(
     let health = Health::new();
     health.set_not_ready("starting");
     let metrics = telemetry::install().map_err(|e| WorkerError::start("install metrics", e))?;
-    let server_stop = stop.clone();
+    // Served until the worker exits, the drain included: a liveness probe must not see a
+    // draining worker as dead, nor Prometheus lose the drain.
+    let exited = CancellationToken::new();
+    let server_stop = exited.clone();
     let telemetry_server = telemetry::serve(config.metrics_addr(), metrics, health.clone(), async move {
         server_stop.cancelled().await;
     })
@@ -281,6 +283,7 @@ pub async fn run(
     info!(addr = %telemetry_server.local_addr(), "metrics and health listening");
 
     let client = config.nats.connect().await.map_err(|e| WorkerError::start("connect to NATS", e))?;
+    health.watch_connection(client.clone());
     let js = jetstream::new(client.clone());
     let jobs_stream = js
         .get_stream(shotfleet_schema::subject::JOBS_STREAM)
@@ -302,7 +305,15 @@ pub async fn run(
     let store = Store::connect(&config.store, env).await.map_err(|e| WorkerError::start("open the object store", e))?;
 
     health.set_not_ready("loading models and calibrating");
-    let ready = startup::prepare(&config).await.inspect_err(|e| health.set_not_ready(e.to_string()))?;
+    // Loading and calibrating take minutes on a card: a signal meanwhile ends the worker at once
+    // (it holds no job yet), rather than after the probes, past an orchestrator's grace.
+    let ready = tokio::select! {
+        ready = startup::prepare(&config) => ready.inspect_err(|e| health.set_not_ready(e.to_string()))?,
+        () = stop.cancelled() => {
+            info!("stopped while loading models and calibrating");
+            return Ok(());
+        }
+    };
     // Consumers were bound for every candidate class; from here on only those served are fetched.
     let config = serving::serve(config, &ready.classes, &health)
         .map_err(|e| e.with_weights_hint(ready.pipeline.info().unet_packed.is_some()))
@@ -377,10 +388,7 @@ pub async fn run(
         Ok(Err(e)) => warn!(error = %e, "draining the NATS connection failed"),
         Err(_) => warn!("draining the NATS connection took over 10 s; exiting without it"),
     }
-    if !shutdown_requested.is_cancelled() {
-        // Stopped by a fault or the leak guard, not by a signal: the telemetry server stops too.
-        shutdown_requested.cancel();
-    }
+    exited.cancel();
     let _ = telemetry_server.stopped().await;
     match shared.take_exit() {
         Some(error) => Err(error),
