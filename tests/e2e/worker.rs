@@ -268,6 +268,20 @@ async fn invalid_jobs_go_to_the_failed_stream_with_reasons() {
     }
     let results = js.get_stream(subject::RESULTS_STREAM).await.unwrap();
     assert!(results.get_last_raw_message_by_subject("shots.done.beta.stray-1").await.is_err(), "nothing under beta");
+
+    // A size this model cannot render, in a class no worker here holds: refused as invalid,
+    // not routed and then degraded to a size it can render (it came back `degraded`, 512x512).
+    let odd = shot(Priority::P2, job("odd-1", "acme", (1000, 1000), 2, 1));
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert("Nats-Msg-Id", "acme/odd-1");
+    js.publish_with_headers("shots.p2.xs.acme", headers, serde_json::to_vec(&odd.job).unwrap().into()).await.unwrap().await.unwrap();
+    match &outcomes(&js, &[odd], Duration::from_secs(30)).await["odd-1"] {
+        shotfleet_producer::wait::Outcome::Failed { reason, detail, .. } => {
+            assert_eq!(reason, "invalid");
+            assert!(detail.contains("multiples of 16") && detail.contains("992x992"), "{detail}");
+        }
+        other => panic!("expected a failed outcome: {other:?}"),
+    }
 }
 
 #[tokio::test]

@@ -388,6 +388,24 @@ pub struct ModelInfo {
     pub device: Device,
 }
 
+impl ModelInfo {
+    /// What is wrong with an image of `width` x `height` for this model, if anything: its
+    /// sides must be positive multiples of [`side_multiple`](Self::side_multiple).
+    pub fn size_problem(&self, width: u32, height: u32) -> Option<String> {
+        let (f, m) = (self.vae_scale_factor, self.side_multiple);
+        if width > 0 && height > 0 && width.is_multiple_of(m) && height.is_multiple_of(m) {
+            return None;
+        }
+        let near = |side: u32| (side / m * m).max(m);
+        Some(format!(
+            "size {width}x{height}: this model renders sides that are multiples of {m} ({f} pixels a latent element, and its UNet halves the latent {} times), e.g. {}x{}",
+            (m / f).trailing_zeros(),
+            near(width),
+            near(height)
+        ))
+    }
+}
+
 /// Intermediate tensors of a render, for parity tests against diffusers.
 #[derive(Debug, Clone, Default)]
 pub struct Trace {
@@ -918,18 +936,9 @@ impl Pipeline {
     /// Checks a request against the model; returns the latent height and width.
     fn validate(&self, req: &RenderRequest, control: &RenderControl) -> Result<(usize, usize), RenderError> {
         let f = self.info.vae_scale_factor;
-        let m = self.info.side_multiple;
         let invalid = |s: String| Err(RenderError::InvalidRequest(s));
-        if req.width == 0 || req.height == 0 || !req.width.is_multiple_of(m) || !req.height.is_multiple_of(m) {
-            let near = |side: u32| (side / m * m).max(m);
-            return invalid(format!(
-                "size {}x{}: this model renders sides that are multiples of {m} ({f} pixels a latent element, and its UNet halves the latent {} times), e.g. {}x{}",
-                req.width,
-                req.height,
-                (m / f).trailing_zeros(),
-                near(req.width),
-                near(req.height)
-            ));
+        if let Some(problem) = self.info.size_problem(req.width, req.height) {
+            return invalid(problem);
         }
         if req.steps == 0 {
             return invalid("steps must be at least 1".into());

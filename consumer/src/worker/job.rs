@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use shotfleet_schema::encoding::{self, DecodeError, InvalidJob};
+use shotfleet_schema::validate::{Problem, ValidationError};
 use shotfleet_schema::progress::ProgressEvent;
 use shotfleet_schema::{ResultStatus, ShotJob};
 use tracing::{info, warn};
@@ -219,6 +220,12 @@ fn decode(shared: &Shared, delivery: &Delivery) -> Result<ShotJob, Box<Rejected>
     }
     if let Err(e) = job.validate(&shared.config.limits) {
         return Err(reject(Some(job), InvalidJob::Invalid(e)));
+    }
+    // Before routing or degrading: a size this model cannot render is the job's fault, wherever
+    // it would be sent (a worker holding no class of it degraded such a job to a size it could).
+    if let Some(message) = shared.model.size_problem(job.width, job.height) {
+        let problems = vec![Problem { field: "width".into(), message }];
+        return Err(reject(Some(job), InvalidJob::Invalid(ValidationError { problems })));
     }
     Ok(job)
 }

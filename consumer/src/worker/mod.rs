@@ -148,6 +148,9 @@ pub struct Shared {
     pub renders: std::sync::atomic::AtomicU32,
     /// The device's name as the probe reports it (`NVIDIA H200`, `simulated (cpu)`).
     pub device_name: String,
+    /// The model as loaded at start (a rebuild loads the same folder): read without the
+    /// pipeline, which a rebuild takes out for a while.
+    pub model: crate::pipeline::ModelInfo,
     /// How often a job in progress sends `AckKind::Progress`.
     pub progress_interval: Duration,
     /// Cancelled when the grace period is over: renders stop and their jobs are naked.
@@ -327,6 +330,7 @@ pub async fn run(
     let loras = lora::Loras::open(&config, lora_env, &ready.pipeline, idle_room).map_err(|e| WorkerError::start("open the LoRA library", e))?;
     ready.budget.count_line(loras.line());
     let config_concurrency = config.concurrency;
+    let model = ready.pipeline.info().clone();
     let shared = Arc::new(Shared {
         config,
         js,
@@ -342,6 +346,7 @@ pub async fn run(
         pipeline: std::sync::RwLock::new(Some(ready.pipeline)),
         renders: std::sync::atomic::AtomicU32::new(0),
         device_name,
+        model,
         progress_interval,
         abort: CancellationToken::new(),
         stop: stop.clone(),
