@@ -302,6 +302,32 @@ async fn a_store_folder_that_a_file_replaced_stops_the_worker_and_fails_no_job()
     assert!(failed_records(&js).await.is_empty(), "no job pays for the store");
 }
 
+#[tokio::test]
+async fn a_store_that_refuses_one_jobs_keys_fails_that_job_and_serves_the_next() {
+    let server = NatsServer::start();
+    let js = jetstream_with(&server.url(), &Topology::default()).await;
+    let store = tempfile::tempdir().unwrap();
+    let mut spec = WorkerSpec::new("one-refused", store.path());
+    spec.extra = "[attempts]\nmax_failures = 2\nbackoff = \"100ms\"\n".into();
+    let mut worker = Worker::start(&server.url(), spec);
+    // A file where the job's folder goes: the store refuses this job's keys, not the store's.
+    std::fs::create_dir_all(store.path().join("acme")).unwrap();
+    std::fs::write(store.path().join("acme").join("refused-1"), b"in the way").unwrap();
+    let refused = shot(Priority::P1, job("refused-1", "acme", (64, 64), 2, 1));
+    let next = shot(Priority::P1, job("after-refused-1", "acme", (64, 64), 2, 1));
+    submit(&js, &[refused.clone(), next.clone()]).await;
+    let ended = outcomes(&js, &[refused, next], Duration::from_secs(60)).await;
+    match &ended["refused-1"] {
+        Outcome::Failed { reason, detail, .. } => {
+            assert_eq!(reason, "attempts", "{detail}");
+            assert!(detail.contains("the store takes other keys"), "{detail}");
+        }
+        other => panic!("expected the job to fail: {other:?}"),
+    }
+    assert!(matches!(&ended["after-refused-1"], Outcome::Done(_)), "{:?}", ended["after-refused-1"]);
+    assert!(worker.running(), "one job's keys do not stop the worker:\n{}", worker.log());
+}
+
 /// Four 256x256 jobs queued before a one-slot worker with `batch_jobs` starts, uploads of
 /// seconds (a noise PNG through S3 at 64 KiB/s), renders of a fraction: the lines naming a
 /// render's end (`ended_by`) that the worker logged before its first commit.

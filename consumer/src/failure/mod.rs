@@ -10,7 +10,7 @@
 //! | [`Timeout`](ErrorKind::Timeout) | the job's time limit stopped the render (`RunOptions::terminate`) | as transient |
 //! | [`GiveBack`](ErrorKind::GiveBack) | no room now, the worker stopping, a first out-of-memory | nak after the delay; not a failed attempt |
 //! | [`DriverFault`](ErrorKind::DriverFault) | illegal address, launch failure, uncorrectable ECC, "GPU has fallen off the bus", CUDA 999, NVML `GpuLost` | nak at once (failed record `driver` when present at repeated faults), stop fetching, exit with [`EXIT_DRIVER_FAULT`] |
-//! | [`StoreUnusable`](ErrorKind::StoreUnusable) | credentials refused, permission denied, the bucket gone | nak at once (not a failed attempt: the job is fine), stop fetching, not ready, exit with [`EXIT_STORE`] |
+//! | [`StoreUnusable`](ErrorKind::StoreUnusable) | credentials refused, permission denied, the bucket gone | when the store's start-up probe fails too: nak at once (not a failed attempt: the job is fine), stop fetching, not ready, exit with [`EXIT_STORE`]; when it passes, the refusal is of the job's keys: a failed attempt |
 //!
 //! A CUDA context that saw a driver fault is unusable for the life of the process (CUDA's
 //! "sticky" errors), so nothing short of a new process recovers: hence the exit.

@@ -10,7 +10,7 @@
 //! | [`Transient`](ErrorKind::Transient), [`Timeout`](ErrorKind::Timeout) | count a failed attempt: nak with backoff, or at `max_failures` failed record `attempts` |
 //! | [`Oom`](ErrorKind::Oom) (one image at a time, tiled VAE) | re-publish one rung down and ack, or below the floor failed record `oom` |
 //! | [`DriverFault`](ErrorKind::DriverFault) | nak at once (failed record `driver` when present at repeated faults), stop the worker |
-//! | [`StoreUnusable`](ErrorKind::StoreUnusable) | nak at once, stop the worker |
+//! | [`StoreUnusable`](ErrorKind::StoreUnusable) | the store's probe still passes: a failed attempt (the refusal is of this job's keys); else nak at once, stop the worker |
 //!
 //! Failing a job writes its failed record first, then claims the job's result subject with a
 //! `failed` outcome (commit.rs): if another worker committed a result meanwhile, the record is
@@ -101,6 +101,14 @@ async fn stop(shared: &Shared, held: &Held<'_>, error: JobError) -> JobOutcome {
             outcome
         }
         ErrorKind::StoreUnusable => {
+            // The store's own probe tells a refusal of this job's keys (a policy on one
+            // project's prefix, one folder made read-only) from a refusal of everything: the
+            // first is the job's, counted as a failed attempt; only the second stops the worker,
+            // which else every worker taking the job in turn would do.
+            if shared.store.check().await.is_ok() {
+                let detail = format!("{}; the store takes other keys: this job's are refused", error.detail);
+                return failed_attempt(shared, held, &detail).await;
+            }
             delivery.nak(None).await;
             shared.store_unusable(&error.detail).await;
             JobOutcome::Nak
