@@ -41,13 +41,31 @@ fn store_config_refuses_an_empty_bucket() {
 }
 
 #[test]
-fn store_config_creates_a_missing_local_folder() {
+fn store_config_creates_a_missing_local_folder_only_inside_one_that_exists() {
     let dir = tempfile::tempdir().unwrap();
-    let folder = dir.path().join("a/b/images");
+    let folder = dir.path().join("images");
     let store = open(&format!("file://{}", folder.display())).unwrap();
     assert!(folder.is_dir());
     assert_eq!(store.location(), format!("file://{}", folder.display()));
     assert_eq!(store.url("p/j/s-0-01234567.png"), format!("file://{}/p/j/s-0-01234567.png", folder.display()));
+    // A slip in the path (or a share not mounted) is refused, not made on the local disk.
+    let deep = dir.path().join("a/b/images");
+    let message = refused(open(&format!("file://{}", deep.display())));
+    assert!(message.contains("a/b/images") && message.contains("does not exist") && message.contains("create it first"), "{message}");
+    assert!(!dir.path().join("a").exists());
+}
+
+#[tokio::test]
+async fn a_local_store_whose_folder_went_away_refuses_to_write_elsewhere() {
+    let dir = tempfile::tempdir().unwrap();
+    let folder = dir.path().join("images");
+    let store = open(&format!("file://{}", folder.display())).unwrap();
+    store.check().await.unwrap();
+    std::fs::rename(&folder, dir.path().join("moved")).unwrap();
+    let err = store.check().await.unwrap_err();
+    assert_eq!(err.kind(), StoreErrorKind::Permanent, "{err}");
+    assert!(err.to_string().contains("the store folder is gone"), "{err}");
+    assert!(!folder.exists(), "nothing made in its place");
 }
 
 #[test]

@@ -31,7 +31,8 @@ use super::retry::RetryConfig;
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct StoreConfig {
-    /// `file:///absolute/folder` (created if missing) or `s3://bucket/optional/prefix`. Required.
+    /// `file:///absolute/folder` (created if missing inside a folder that exists) or
+    /// `s3://bucket/optional/prefix`. Required.
     pub url: String,
     /// S3 endpoint for S3-compatible servers, path-style (`http://host:port`). Overrides
     /// `AWS_ENDPOINT_URL`; unset with neither means AWS itself.
@@ -83,6 +84,8 @@ pub(crate) struct Opened {
     pub url_base: String,
     /// Whether puts may set a Content-Type (the local filesystem rejects attributes).
     pub attributes: bool,
+    /// A local store's folder, which must still be there at each put.
+    pub local_root: Option<PathBuf>,
 }
 
 impl StoreConfig {
@@ -142,7 +145,21 @@ impl StoreConfig {
 
     fn open_local(&self, root: PathBuf) -> Result<Opened, StoreError> {
         let display = root.display().to_string();
-        std::fs::create_dir_all(&root).map_err(|source| StoreError::Folder { path: display.clone(), source })?;
+        // Made when missing, but only inside a folder that exists: a slip in the path (or a
+        // share not mounted under a missing folder) is refused, not filled on the local disk.
+        if !root.is_dir() {
+            std::fs::create_dir(&root).map_err(|source| {
+                let parent = root.parent().map(|p| p.display().to_string()).unwrap_or_default();
+                let source = match source.kind() {
+                    std::io::ErrorKind::NotFound => std::io::Error::new(
+                        source.kind(),
+                        format!("its parent folder {parent} does not exist (a slip in the path, or a share not mounted?); create it first if this is the folder meant"),
+                    ),
+                    _ => source,
+                };
+                StoreError::Folder { path: display.clone(), source }
+            })?;
+        }
         let location = format!("file://{display}");
         let fs = LocalFileSystem::new_with_prefix(&root)
             .map_err(|source| StoreError::Build { location: location.clone(), source })?
@@ -150,7 +167,7 @@ impl StoreConfig {
             .with_fsync(true)
             // Sweeping a job's leftovers should not leave its empty folder behind.
             .with_automatic_cleanup(true);
-        Ok(Opened { inner: Arc::new(fs), prefix: Path::ROOT, url_base: location.clone(), location, attributes: false })
+        Ok(Opened { inner: Arc::new(fs), prefix: Path::ROOT, url_base: location.clone(), location, attributes: false, local_root: Some(root) })
     }
 
     fn open_s3<K, V>(
@@ -215,7 +232,7 @@ impl StoreConfig {
             .with_bucket_name(bucket)
             .build()
             .map_err(|source| StoreError::Build { location: location.clone(), source })?;
-        Ok(Opened { inner: Arc::new(s3), prefix, location, url_base, attributes: true })
+        Ok(Opened { inner: Arc::new(s3), prefix, location, url_base, attributes: true, local_root: None })
     }
 }
 

@@ -58,6 +58,8 @@ pub struct Store {
     url_base: Arc<str>,
     attributes: bool,
     retry: RetryConfig,
+    /// The folder of a `file://` store.
+    local_root: Option<std::path::PathBuf>,
 }
 
 impl fmt::Debug for Store {
@@ -80,13 +82,14 @@ impl Store {
         K: AsRef<str>,
         V: Into<String>,
     {
-        let Opened { inner, prefix, location, url_base, attributes } = config.open(env)?;
+        let Opened { inner, prefix, location, url_base, attributes, local_root } = config.open(env)?;
         Ok(Self {
             inner,
             prefix,
             location: location.into(),
             url_base: url_base.into(),
             attributes,
+            local_root,
             retry: config.retry.clone(),
         })
     }
@@ -232,6 +235,12 @@ impl Store {
     }
 
     async fn put_path(&self, path: &Path, body: Bytes) -> Result<(), StoreError> {
+        // The local store makes a key's folders as it writes: its own folder gone (a share
+        // unmounted, the folder moved) would be made again on the local disk, unseen.
+        if let Some(root) = self.local_root.as_ref().filter(|root| !root.is_dir()) {
+            let gone = std::io::Error::new(std::io::ErrorKind::NotFound, "the store folder is gone (unmounted, moved or deleted?); nothing is written in its place");
+            return Err(StoreError::Folder { path: root.display().to_string(), source: gone });
+        }
         let mut options = PutOptions::default();
         if self.attributes {
             options.attributes = Attributes::from_iter([(Attribute::ContentType, "image/png")]);
