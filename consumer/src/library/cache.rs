@@ -19,10 +19,12 @@ pub struct DiskCache {
 }
 
 impl DiskCache {
-    /// Opens (creates) `dir`, removing what an interrupted write left there.
+    /// Opens (creates) `dir`, removing what an interrupted write left there, and checks that a
+    /// file can be written in it: a folder this process may read but not write would else fail
+    /// every LoRA job, as the job's fault, after the worker said it was ready.
     ///
     /// # Errors
-    /// When the folder cannot be created or read.
+    /// When the folder cannot be created, read or written.
     pub fn open(dir: &Path, max_bytes: u64) -> std::io::Result<DiskCache> {
         fs::create_dir_all(dir)?;
         for entry in fs::read_dir(dir)? {
@@ -31,6 +33,8 @@ impl DiskCache {
                 let _ = fs::remove_file(&path);
             }
         }
+        let probe = dir.join(format!("write-check-{}{PARTIAL}", std::process::id()));
+        fs::write(&probe, b"shotfleet").and_then(|()| fs::remove_file(&probe))?;
         Ok(DiskCache { dir: dir.to_path_buf(), max_bytes })
     }
 
@@ -117,5 +121,19 @@ impl DiskCache {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_folder_that_cannot_be_written_is_refused_at_open() {
+        let dir = tempfile::tempdir().unwrap();
+        let cache = DiskCache::open(&dir.path().join("loras"), 1 << 20).unwrap();
+        assert_eq!(fs::read_dir(cache.dir()).unwrap().count(), 0, "the check leaves nothing behind");
+        // A folder that exists and reads, but takes no file, even for root.
+        assert!(DiskCache::open(Path::new("/proc/self"), 1 << 20).is_err());
     }
 }
