@@ -137,6 +137,10 @@ fn bad_settings_are_named() {
     assert!(e.contains("faults.arena_limit_mib") && e.contains("cpu_arena_max_mib"), "{e}");
     // A slip of zeros in the thread count started 100,000 threads a graph and ate the host's
     // memory before the first job.
+    let e = error(&cpu("", "[budget]\nreserve_mib = 999999\n"), &with_model, Overrides::default());
+    assert!(e.contains("reserve_mib") && e.contains("more than any card holds"), "{e}");
+    let e = error(&cpu("", "[budget]\nreserve_mib = 4000\nmargin_mib = 96\n"), &with_model, Overrides::default());
+    assert!(e.contains("leave nothing of the simulated card's total_mib (4096)"), "{e}");
     let e = error(&cpu("idle_poll = \"0s\"", ""), &with_model, Overrides::default());
     assert!(e.contains("idle_poll: 0ns is outside 10ms..=60s"), "{e}");
     for threads in [0, 100_000] {

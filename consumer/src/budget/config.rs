@@ -83,6 +83,9 @@ impl Default for BudgetConfig {
 /// The most a simulated card may hold, MiB (1 TiB).
 const SIMULATED_MAX_MIB: u64 = 1 << 20;
 
+/// The most memory any card sold holds (192 GiB), MiB.
+const LARGEST_CARD_MIB: u64 = 192 * 1024;
+
 /// A "GPU" of `total_mib` whose used memory is this process's resident memory plus
 /// `others_used_mib` that other processes are pretending to hold.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -137,6 +140,13 @@ impl BudgetConfig {
         if self.learn_window == 0 {
             return Err(ConfigError { field: "learn_window", message: "must keep at least one observation".into() });
         }
+        // Held back from every card: more than the largest card sold (192 GiB) is a slip, which
+        // would else surface after the models loaded as "this card holds nothing".
+        for (field, value) in [("reserve_mib", self.reserve_mib), ("margin_mib", self.margin_mib)] {
+            if value > LARGEST_CARD_MIB {
+                return Err(ConfigError { field, message: format!("{value} is more than any card holds ({LARGEST_CARD_MIB} MiB)") });
+            }
+        }
         if let Some(max) = self.max_mib
             && max <= self.reserve_mib + self.margin_mib
         {
@@ -158,6 +168,15 @@ impl BudgetConfig {
                 return Err(ConfigError {
                     field: "simulate.others_used_mib",
                     message: format!("{} leaves nothing of total_mib {}", sim.others_used_mib, sim.total_mib),
+                });
+            }
+            if self.reserve_mib + self.margin_mib >= sim.total_mib {
+                return Err(ConfigError {
+                    field: "reserve_mib",
+                    message: format!(
+                        "reserve_mib ({}) and margin_mib ({}) leave nothing of the simulated card's total_mib ({})",
+                        self.reserve_mib, self.margin_mib, sim.total_mib
+                    ),
                 });
             }
         }
