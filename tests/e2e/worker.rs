@@ -466,3 +466,41 @@ async fn compatible_jobs_share_unet_batches_and_render_the_same_images() {
         assert_eq!(shas(one), shas(twin), "{}", one.job_id);
     }
 }
+
+/// What a supervisor does after an exit follows its code: a broken model folder is left
+/// stopped (2) like a bad config, a store that refuses for good waits out the store backoff
+/// (77) as it does when it refuses while serving; both were "start failed" (3), restarted
+/// within seconds, forever.
+#[tokio::test]
+async fn start_up_failures_that_no_restart_mends_exit_with_their_own_codes() {
+    let server = NatsServer::start();
+    let _js = jetstream_with(&server.url(), &Topology::default()).await;
+    let scratch = tempfile::tempdir().unwrap();
+    let model = scratch.path().join("model");
+    copy_folder(&tiny_model(), &model);
+    std::fs::remove_file(model.join("unet/model.onnx")).unwrap();
+    let mut spec = WorkerSpec::new("no-unet", &scratch.path().join("images"));
+    spec.env = vec![("SHOTFLEET_MODEL".into(), model.display().to_string())];
+    let mut worker = Worker::spawn(&server.url(), spec);
+    let status = worker.wait_exit(Duration::from_secs(60)).expect("the worker exits");
+    assert_eq!(status.code(), Some(2), "{}", worker.log());
+    assert!(worker.log().contains("unet/model.onnx: missing") && worker.log().contains("fix the model folder"), "{}", worker.log());
+
+    let file = scratch.path().join("a-file");
+    std::fs::write(&file, b"not a folder").unwrap();
+    let mut worker = Worker::spawn(&server.url(), WorkerSpec::new("store-is-a-file", &file.join("images")));
+    let status = worker.wait_exit(Duration::from_secs(60)).expect("the worker exits");
+    assert_eq!(status.code(), Some(77), "{}", worker.log());
+}
+
+fn copy_folder(from: &std::path::Path, to: &std::path::Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap().flatten() {
+        let target = to.join(entry.file_name());
+        if entry.file_type().unwrap().is_dir() {
+            copy_folder(&entry.path(), &target);
+        } else {
+            std::fs::copy(entry.path(), target).unwrap();
+        }
+    }
+}

@@ -3,9 +3,10 @@
 //!
 //! Parses flags, sets up logging, resolves the config (file, environment, flags) and runs the
 //! worker until SIGTERM or SIGINT. Exit codes, for the supervisor: 0 after a clean stop; 2 bad
-//! configuration; 3 a start-up step failed (NATS, store, models, calibration); 75 a driver
-//! fault (restart the worker, check the GPU); 76 a restart requested by the leak guard; 78 the
-//! card holds none of the classes the worker may serve (do not restart: a person must act).
+//! configuration or model folder; 3 a start-up step failed that may pass (NATS, the store
+//! unreachable, calibration); 75 a driver fault (restart the worker, check the GPU); 76 a
+//! restart requested by the leak guard; 77 the store refuses for good; 78 the card holds none
+//! of the classes the worker may serve (do not restart: a person must act).
 
 use std::collections::HashMap;
 use std::path::PathBuf;

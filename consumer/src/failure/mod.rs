@@ -115,8 +115,9 @@ pub(crate) fn cannot(step: &str, detail: &str) -> String {
 /// `RestartPreventExitStatus=2`.
 pub const EXIT_CONFIG: i32 = 2;
 
-/// Exit status when a start-up step failed (NATS, the store, the models, calibration): the
-/// supervisor may retry with backoff.
+/// Exit status when a start-up step failed that may pass (NATS, the store unreachable,
+/// calibration): the supervisor may retry with backoff. A model folder that is wrong exits with
+/// [`EXIT_CONFIG`], a store that refuses for good with [`EXIT_STORE`].
 pub const EXIT_START: i32 = 3;
 
 /// Exit status after a driver fault: the GPU context is gone, restart the worker (and count
@@ -134,7 +135,7 @@ pub const EXIT_RESTART: i32 = 76;
 /// `RestartPreventExitStatus=2 78`.
 pub const EXIT_NOTHING_FITS: i32 = 78;
 
-/// Exit status when the object store refused for good while serving (credentials revoked,
+/// Exit status when the object store refused for good, at start or while serving (credentials revoked,
 /// permission denied, the bucket deleted): the worker gave its jobs back; restarting helps
 /// only once an operator fixed the store. 77 is `EX_NOPERM` in `sysexits.h`.
 pub const EXIT_STORE: i32 = 77;

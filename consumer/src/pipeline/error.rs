@@ -89,6 +89,18 @@ pub enum LoadError {
     Threads(String),
 }
 
+impl LoadError {
+    /// Whether the folder itself is at fault (a file missing, a JSON, tokenizer or graph not as
+    /// the pipeline needs, an option not built), as against the machine (reading the disk,
+    /// ONNX Runtime's memory or library): only the machine's may mend on a restart.
+    pub fn is_the_folders(&self) -> bool {
+        matches!(
+            self,
+            Self::MissingFile { .. } | Self::Json { .. } | Self::Invalid { .. } | Self::Tokenizer { .. } | Self::Graph { .. } | Self::Unsupported { .. }
+        )
+    }
+}
+
 /// One render failed.
 #[derive(Debug, Error)]
 #[non_exhaustive]

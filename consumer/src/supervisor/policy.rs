@@ -2,12 +2,12 @@
 //!
 //! | exit | meaning (`failure/mod.rs`) | the supervisor |
 //! | --- | --- | --- |
-//! | 2 | bad configuration | leaves it stopped: a person must fix the config |
+//! | 2 | bad configuration, or a model folder that is wrong | leaves it stopped: a person must fix the config or the folder |
 //! | 78 | the card holds none of the worker's classes | leaves it stopped: the card, its share or `classes` must change |
 //! | 76 | the leak guard asks for a restart | restarts at once; again after a quick exit, with backoff |
 //! | 75 | driver fault | restarts with backoff (a card that keeps faulting is retried every `max_restart_backoff`) |
-//! | 3 | a start-up step failed (NATS, the store, the models) | restarts with backoff: a server coming back helps |
-//! | 77 | the object store refused for good | restarts after `store_backoff` at least: the store is the box's, not the card's |
+//! | 3 | a start-up step failed that may pass (NATS, the store unreachable, the GPU) | restarts with backoff: a server coming back helps |
+//! | 77 | the object store refused for good, at start or while serving | restarts after `store_backoff` at least: the store is the box's, not the card's |
 //! | 0, others, a signal | stopped by someone else, a crash, the OOM killer | restarts with backoff: the box keeps one worker per card |
 //!
 //! Backoff: `restart_backoff` doubled for each quick exit before this one (up to

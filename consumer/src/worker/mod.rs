@@ -89,6 +89,10 @@ pub enum WorkerError {
         "this card holds nothing this worker may serve; give it a larger card or `[budget] max_mib`, move other processes off the card, or change `classes`: {0}"
     )]
     NothingFits(String),
+    /// The model folder itself is wrong (a file missing, a JSON or graph not as the pipeline
+    /// needs): like a bad configuration, no restart mends it (`EXIT_CONFIG`).
+    #[error("cannot load the model: {0}; fix the model folder, then start the worker again")]
+    Model(String),
 }
 
 impl WorkerError {
@@ -105,13 +109,14 @@ impl WorkerError {
 
     /// The exit code for the supervisor.
     pub fn exit_code(&self) -> i32 {
-        use crate::failure::{EXIT_DRIVER_FAULT, EXIT_NOTHING_FITS, EXIT_RESTART, EXIT_START, EXIT_STORE};
+        use crate::failure::{EXIT_CONFIG, EXIT_DRIVER_FAULT, EXIT_NOTHING_FITS, EXIT_RESTART, EXIT_START, EXIT_STORE};
         match self {
             Self::Start { .. } => EXIT_START,
             Self::DriverFault(_) => EXIT_DRIVER_FAULT,
             Self::Restart(_) => EXIT_RESTART,
             Self::StoreUnusable(_) => EXIT_STORE,
             Self::NothingFits(_) => EXIT_NOTHING_FITS,
+            Self::Model(_) => EXIT_CONFIG,
         }
     }
 }
@@ -305,7 +310,12 @@ pub async fn run(
     let (ack_wait, max_deliver) = consumers.limits().await.map_err(|e| WorkerError::start("read consumer limits", e))?;
     let attempts = attempts::Attempts::open(&js).await.map_err(|e| WorkerError::start("open the attempts bucket", e))?;
     let lora_env = env.clone();
-    let store = Store::connect(&config.store, env).await.map_err(|e| WorkerError::start("open the object store", e))?;
+    // Refused for good (permissions, credentials, no bucket) at start as while serving: the same
+    // exit, so a supervisor waits out its store backoff rather than restarting within seconds.
+    let store = Store::connect(&config.store, env).await.map_err(|e| match e.kind() {
+        crate::store::StoreErrorKind::Permanent => WorkerError::StoreUnusable(crate::failure::cannot("open the object store", &e.to_string())),
+        _ => WorkerError::start("open the object store", e),
+    })?;
 
     health.set_not_ready("loading models and calibrating");
     // Loading and calibrating take minutes on a card: a signal meanwhile ends the worker at once

@@ -41,7 +41,9 @@ pub async fn prepare(config: &WorkerConfig) -> Result<Ready, WorkerError> {
         info!(share_mib, arena_limit_mib = config.budget.arena_limit(before.clone()) / budget::MIB, "this worker's share of the card");
     }
     let model = config.model.clone();
-    let pipeline = blocking(move || Pipeline::load(&model, &options)).await?.map_err(|e| WorkerError::start("load the model", e))?;
+    let pipeline = blocking(move || Pipeline::load(&model, &options)).await?.map_err(|e| {
+        if e.is_the_folders() { WorkerError::Model(e.to_string()) } else { WorkerError::start("load the model", e) }
+    })?;
     let pipeline = Arc::new(pipeline);
     let after = probe.snapshot().map_err(|e| WorkerError::start("read the GPU", e))?;
     let resident = after.resident_since(&before);
