@@ -508,6 +508,7 @@ async fn submit_file(options: &NatsOptions, args: SubmitArgs) -> Result<u8, Fail
         return Ok(0);
     }
     let duplicates: std::collections::HashSet<&String> = summary.duplicates.iter().collect();
+    let queued = duplicates_queued_at(&js, &placed, &duplicates).await;
     let awaited: Vec<Awaited> = board
         .shots
         .iter()
@@ -515,6 +516,7 @@ async fn submit_file(options: &NatsOptions, args: SubmitArgs) -> Result<u8, Fail
             project: s.job.project.clone(),
             job_id: s.job.job_id.clone(),
             duplicate: duplicates.contains(&s.job.job_id),
+            queued_at: queued.get(&s.job.job_id).copied(),
         })
         .collect();
     // On a terminal the bars say how many finished; elsewhere a line every tenth.
@@ -618,6 +620,23 @@ async fn show_status(options: &NatsOptions, args: StatusArgs) -> Result<u8, Fail
     }
     print!("{}", status::render(&status, &seen, now));
     Ok(0)
+}
+
+/// When each duplicate's message, still queued, was published (the PubAck names it): the
+/// failures that count for it are written after.
+async fn duplicates_queued_at(
+    js: &async_nats::jetstream::Context,
+    placed: &[live::Placed],
+    duplicates: &std::collections::HashSet<&String>,
+) -> std::collections::HashMap<String, SystemTime> {
+    let mut found = std::collections::HashMap::new();
+    let Ok(stream) = js.get_stream_no_info(shotfleet_schema::subject::JOBS_STREAM).await else { return found };
+    for p in placed.iter().filter(|p| duplicates.contains(&p.job_id)) {
+        if let Ok(message) = stream.get_raw_message(p.sequence).await {
+            found.insert(p.job_id.clone(), message.time.into());
+        }
+    }
+    found
 }
 
 async fn cancel_jobs(options: &NatsOptions, args: CancelArgs) -> Result<u8, Failure> {

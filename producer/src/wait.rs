@@ -5,7 +5,8 @@
 //! requires). A rendered result is final whenever it was written: a worker never renders a job
 //! whose result exists. A failure (a `failed` or `cancelled` outcome, or a failed record) counts
 //! when it was written after this submission started, or when the job was a duplicate (it was
-//! not queued again, so an earlier failure is its fate); a later result overrides it (a replay).
+//! not queued again, so an earlier failure is its fate; one still queued, a failure written
+//! after that message); a later result overrides it (a replay).
 
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::time::{Duration, SystemTime};
@@ -35,6 +36,10 @@ pub struct Awaited {
     pub job_id: String,
     /// The submission found it already queued (or done) inside the duplicate window.
     pub duplicate: bool,
+    /// For a duplicate whose message is still queued: when that message was published. A
+    /// failure before it is an earlier request's, not this one's fate (a server restart forgets
+    /// the window of messages no longer stored, so a job failed before it is queued again).
+    pub queued_at: Option<SystemTime>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -157,7 +162,13 @@ fn read_outcome(
         message.headers.as_ref().and_then(|h| h.get(name)).map(|v| v.as_str().to_owned())
     };
     let written: SystemTime = message.info().ok()?.published.into();
-    let counts = |job_id: &str| wanted.get(job_id).is_some_and(|awaited| awaited.duplicate || written >= since);
+    let counts = |job_id: &str| {
+        wanted.get(job_id).is_some_and(|awaited| match (awaited.duplicate, awaited.queued_at) {
+            (true, Some(queued)) => written >= queued,
+            (true, None) => true,
+            (false, _) => written >= since,
+        })
+    };
     if message.subject.starts_with(&format!("{}.done.", subject::ROOT)) {
         let content_type = ContentType::from_header(header(encoding::HEADER).as_deref()).ok()?;
         let result: ShotResult = encoding::decode(content_type, &message.payload).ok()?;

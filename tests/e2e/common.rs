@@ -301,7 +301,7 @@ pub async fn submit(js: &jetstream::Context, shots: &[Shot]) {
 pub async fn outcomes(js: &jetstream::Context, shots: &[Shot], timeout: Duration) -> HashMap<String, Outcome> {
     let awaited: Vec<Awaited> = shots
         .iter()
-        .map(|s| Awaited { project: s.job.project.clone(), job_id: s.job.job_id.clone(), duplicate: false })
+        .map(|s| Awaited { project: s.job.project.clone(), job_id: s.job.job_id.clone(), duplicate: false, queued_at: None })
         .collect();
     let since = SystemTime::now() - Duration::from_secs(3600);
     wait::wait(js, &awaited, since, Some(timeout), |_, _| {}).await.expect("every job ends")

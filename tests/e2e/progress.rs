@@ -102,3 +102,33 @@ async fn status_names_live_workers_and_classes_nobody_serves() {
     assert!(said.contains("no live worker serves class xl"), "{said}");
     assert!(said.lines().any(|l| l.trim_start().starts_with("w1 ")), "{said}");
 }
+
+/// `submit --wait` of a job the server took as a duplicate of one still queued waits for that
+/// message's outcome: a failure written before it is an earlier request's (a server restart, or
+/// a window shorter than the gap, lets a failed job be queued again under its id).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_duplicate_of_a_queued_job_waits_for_its_own_outcome_not_an_older_failure() {
+    let server = shotfleet_testkit::NatsServer::start();
+    let topology = shotfleet_schema::nats::Topology { duplicate_window: Duration::from_secs(1), ..Default::default() };
+    let js = shotfleet_tests::jetstream_with(&server.url(), &topology).await;
+    let store = tempfile::tempdir().unwrap();
+    let mut worker = shotfleet_tests::Worker::start(&server.url(), shotfleet_tests::WorkerSpec::new("dq", store.path()));
+    let board = store.path().join("board.jsonl");
+    // A LoRA the library lacks: refused as invalid at once.
+    std::fs::write(
+        &board,
+        r#"{"v":1,"job_id":"dq-1","project":"dq","shot_id":"s1","prompt":"a boat","width":64,"height":64,"steps":2,"guidance":5,"seed":1,"loras":[{"name":"absent","weight":0.5}]}"#,
+    )
+    .unwrap();
+    let out = shotfleet(&server.url(), &["submit", board.to_str().unwrap(), "--wait", "--timeout", "60s"]).await;
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    worker.kill();
+    // Past the window the same job is queued again, and nobody renders it now.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let out = shotfleet(&server.url(), &["submit", board.to_str().unwrap()]).await;
+    assert!(out.status.success() && text(&out).contains("queued 1 job(s)"), "{}", text(&out));
+    // A duplicate of that queued message: its outcome is still to come.
+    let out = shotfleet(&server.url(), &["submit", board.to_str().unwrap(), "--wait", "--timeout", "3s"]).await;
+    assert!(text(&out).contains("already queued") && !text(&out).contains("failed invalid"), "{}", text(&out));
+    assert_ne!(out.status.code(), Some(1), "the old failure was taken for this request's: {}", text(&out));
+}

@@ -147,7 +147,7 @@ async fn each_role_does_its_commands_and_nothing_more() {
     headers.insert("Content-Type", "application/json");
     let auto = r#"{"v":1,"job_id":"tide-auto","project":"tide","shot_id":"s2","prompt":"a gull","width":64,"height":64,"steps":1,"guidance":5.0,"seed":2}"#;
     js.publish_with_headers("shots.p1.auto.tide", headers, auto.into()).await.unwrap().await.expect("queued");
-    let awaited = [shotfleet_producer::wait::Awaited { project: "tide".into(), job_id: "tide-auto".into(), duplicate: false }];
+    let awaited = [shotfleet_producer::wait::Awaited { project: "tide".into(), job_id: "tide-auto".into(), duplicate: false, queued_at: None }];
     let outcomes = shotfleet_producer::wait::wait(&js, &awaited, std::time::SystemTime::now(), Some(Duration::from_secs(120)), |_, _| {})
         .await
         .expect("the routed job's result, read as producer-tide");
