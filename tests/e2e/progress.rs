@@ -110,7 +110,7 @@ async fn status_names_live_workers_and_classes_nobody_serves() {
 async fn a_duplicate_of_a_queued_job_waits_for_its_own_outcome_not_an_older_failure() {
     let server = shotfleet_testkit::NatsServer::start();
     let topology = shotfleet_schema::nats::Topology { duplicate_window: Duration::from_secs(1), ..Default::default() };
-    let js = shotfleet_tests::jetstream_with(&server.url(), &topology).await;
+    let _js = shotfleet_tests::jetstream_with(&server.url(), &topology).await;
     let store = tempfile::tempdir().unwrap();
     let mut worker = shotfleet_tests::Worker::start(&server.url(), shotfleet_tests::WorkerSpec::new("dq", store.path()));
     let board = store.path().join("board.jsonl");
