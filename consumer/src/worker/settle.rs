@@ -124,7 +124,7 @@ async fn failed_attempt(shared: &Shared, held: &Held<'_>, detail: &str) -> JobOu
         Ok(counts) => counts.failures,
         Err(e) => {
             // The server's delivery count and `max_deliver` still bound the job.
-            warn!(job = held.job_id(), error = %e, "cannot count the failed attempt; retrying by the delivery count");
+            warn!(job = held.job_id(), error = %e, detail, "cannot count the failed attempt; retrying by the delivery count");
             delivery.nak(Some(attempts.backoff_after(delivery.attempt as u32))).await;
             return JobOutcome::Nak;
         }
@@ -176,7 +176,9 @@ async fn fail(shared: &Shared, held: &Held<'_>, reason: FailureReason, detail: &
     };
     match failed::record(shared, &case, reason, detail, attempts).await {
         Recorded::Failed => {
-            warn!(job = held.job_id(), reason = %reason, detail, "job failed");
+            // A payload that did not decode may still name its job, as its outcome does.
+            let job = case.ids().map_or_else(|| held.job_id().to_owned(), |ids| ids.job_id);
+            warn!(job, reason = %reason, detail, "job failed");
             telemetry::job_failed(reason);
             delivery.term().await;
             JobOutcome::Failed
