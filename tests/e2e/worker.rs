@@ -504,3 +504,15 @@ fn copy_folder(from: &std::path::Path, to: &std::path::Path) {
         }
     }
 }
+
+#[tokio::test]
+async fn a_second_worker_under_a_live_workers_id_says_so() {
+    let server = NatsServer::start();
+    let _js = jetstream_with(&server.url(), &Topology::default()).await;
+    let store = tempfile::tempdir().unwrap();
+    let _first = Worker::start(&server.url(), WorkerSpec::new("twin", store.path()));
+    let second = Worker::start(&server.url(), WorkerSpec::new("twin", store.path()));
+    assert!(second.log().contains("another live worker answers under this worker_id"), "{}", second.log());
+    let third = Worker::start(&server.url(), WorkerSpec::new("other", store.path()));
+    assert!(!third.log().contains("another live worker answers"), "{}", third.log());
+}

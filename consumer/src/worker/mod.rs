@@ -305,6 +305,7 @@ pub async fn run(
     let advisories = advisory::subscribe(&client).await.map_err(|e| WorkerError::start("listen for max-delivery advisories", e))?;
     let cancels = cancel::subscribe(&client).await.map_err(|e| WorkerError::start("listen for cancel requests", e))?;
     let pings = ping::subscribe(&client).await.map_err(|e| WorkerError::start("listen for pings", e))?;
+    ping::warn_of_a_namesake(&client, &config.worker_id).await;
     let mut consumers =
         fetch::Consumers::bind(&jobs_stream, &config.classes, config.idle_poll).await.map_err(|e| WorkerError::start("bind consumers", e))?;
     let (ack_wait, max_deliver) = consumers.limits().await.map_err(|e| WorkerError::start("read consumer limits", e))?;

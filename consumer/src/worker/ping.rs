@@ -32,6 +32,23 @@ pub fn listen(shared: Arc<Shared>, mut pings: async_nats::Subscriber) -> tokio::
     })
 }
 
+/// Says so when a live worker already answers under `worker_id`: results and fault events name
+/// their worker, and a worker tells its own claims from another's by its id, so two of one id
+/// mix them up (two CPU workers on one host both default to `<host>/cpu`). A warning, not a
+/// refusal: a worker restarting beside its draining predecessor is the same worker.
+pub async fn warn_of_a_namesake(client: &async_nats::Client, worker_id: &str) {
+    let Ok(states) = shotfleet_schema::nats::ping::ping(client, NAMESAKE_WAIT).await else { return };
+    if states.iter().any(|state| state.worker == worker_id) {
+        warn!(
+            worker = worker_id,
+            "another live worker answers under this worker_id; give each worker its own (worker_id, SHOTFLEET_WORKER_ID, --worker-id)"
+        );
+    }
+}
+
+/// How long the start-up ping waits for answers (a live worker answers within milliseconds).
+const NAMESAKE_WAIT: std::time::Duration = std::time::Duration::from_millis(300);
+
 /// This worker now.
 pub fn state(shared: &Shared) -> WorkerState {
     let classes = &shared.config.classes;
