@@ -631,13 +631,33 @@ impl Fetching<'_> {
 /// Lets the closed `tracker`'s jobs finish within `grace`, then cancels what is left (their
 /// renders stop and their jobs are given back) and waits for it. Whether it had to cancel.
 async fn finish_in_flight(tracker: &TaskTracker, grace: Duration, abort: &CancellationToken) -> bool {
-    if tokio::time::timeout(grace, tracker.wait()).await.is_ok() {
-        return false;
+    tokio::select! {
+        finished = tokio::time::timeout(grace, tracker.wait()) => {
+            if finished.is_ok() {
+                return false;
+            }
+            warn!(in_flight = tracker.len(), "grace period over: cancelling and naking the rest");
+        }
+        // An operator who signals again wants the worker gone now: its jobs go back at once.
+        () = another_signal() => warn!(in_flight = tracker.len(), "signalled again: cancelling and naking the rest now"),
     }
-    warn!(in_flight = tracker.len(), "grace period over: cancelling and naking the rest");
     abort.cancel();
     tracker.wait().await;
     true
+}
+
+/// Resolves on a SIGTERM or SIGINT from now on (never, where they cannot be listened to).
+async fn another_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    match (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) {
+        (Ok(mut term), Ok(mut int)) => {
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = int.recv() => {}
+            }
+        }
+        _ => std::future::pending().await,
+    }
 }
 
 /// Gives the arenas' free regions back to the device (a one-step tiny render, see
