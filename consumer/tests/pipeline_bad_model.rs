@@ -5,7 +5,7 @@ mod pipeline_support;
 use std::fs;
 use std::path::{Path, PathBuf};
 
-use pipeline_support::{cpu_options, model_dir, require_ort};
+use pipeline_support::{copy_dir, cpu_options, model_dir, require_ort};
 use shotfleet_consumer::pipeline::{LoadError, Pipeline};
 use tempfile::TempDir;
 
@@ -16,18 +16,6 @@ fn copy_fixture() -> (TempDir, PathBuf) {
     (tmp, dst)
 }
 
-fn copy_dir(src: &Path, dst: &Path) {
-    fs::create_dir_all(dst).unwrap();
-    for entry in fs::read_dir(src).unwrap() {
-        let entry = entry.unwrap();
-        let to = dst.join(entry.file_name());
-        if entry.file_type().unwrap().is_dir() {
-            copy_dir(&entry.path(), &to);
-        } else {
-            fs::copy(entry.path(), &to).unwrap();
-        }
-    }
-}
 
 /// Loads `dir`, expects a refusal, and checks its message names `file` and says `what`.
 fn refused(dir: &Path, file: &str, what: &str) -> LoadError {

@@ -7,7 +7,7 @@ use std::ops::ControlFlow;
 use std::path::Path;
 use std::sync::Arc;
 
-use pipeline_support::{cpu_options, load, lora_adapter, model_dir, tiny_pipeline};
+use pipeline_support::{copy_dir, cpu_options, load, lora_adapter, model_dir, tiny_pipeline};
 use shotfleet_consumer::pipeline::lora::{Adapter, LoraError, ResidentSet};
 use shotfleet_consumer::pipeline::{Pipeline, PipelineOptions, RenderControl, RenderRequest};
 use shotfleet_schema::lora::LoraFile;
@@ -158,15 +158,3 @@ fn load_with(dir: &Path, options: PipelineOptions) -> Pipeline {
     Pipeline::load(dir, &options).unwrap()
 }
 
-fn copy_dir(from: &Path, to: &Path) {
-    for entry in std::fs::read_dir(from).unwrap() {
-        let entry = entry.unwrap();
-        let target = to.join(entry.file_name());
-        if entry.file_type().unwrap().is_dir() {
-            std::fs::create_dir_all(&target).unwrap();
-            copy_dir(&entry.path(), &target);
-        } else {
-            std::fs::copy(entry.path(), target).unwrap();
-        }
-    }
-}

@@ -477,7 +477,7 @@ async fn start_up_failures_that_no_restart_mends_exit_with_their_own_codes() {
     let _js = jetstream_with(&server.url(), &Topology::default()).await;
     let scratch = tempfile::tempdir().unwrap();
     let model = scratch.path().join("model");
-    copy_folder(&tiny_model(), &model);
+    shotfleet_testkit::paths::copy_dir(&tiny_model(), &model);
     std::fs::remove_file(model.join("unet/model.onnx")).unwrap();
     let mut spec = WorkerSpec::new("no-unet", &scratch.path().join("images"));
     spec.env = vec![("SHOTFLEET_MODEL".into(), model.display().to_string())];
@@ -491,18 +491,6 @@ async fn start_up_failures_that_no_restart_mends_exit_with_their_own_codes() {
     let mut worker = Worker::spawn(&server.url(), WorkerSpec::new("store-is-a-file", &file.join("images")));
     let status = worker.wait_exit(Duration::from_secs(60)).expect("the worker exits");
     assert_eq!(status.code(), Some(77), "{}", worker.log());
-}
-
-fn copy_folder(from: &std::path::Path, to: &std::path::Path) {
-    std::fs::create_dir_all(to).unwrap();
-    for entry in std::fs::read_dir(from).unwrap().flatten() {
-        let target = to.join(entry.file_name());
-        if entry.file_type().unwrap().is_dir() {
-            copy_folder(&entry.path(), &target);
-        } else {
-            std::fs::copy(entry.path(), target).unwrap();
-        }
-    }
 }
 
 #[tokio::test]

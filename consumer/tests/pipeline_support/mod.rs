@@ -65,19 +65,7 @@ pub fn onnx_script(script: &str, args: &[&std::ffi::OsStr]) {
     assert!(output.status.success(), "{script}: {}", String::from_utf8_lossy(&output.stderr));
 }
 
-/// Every file under `from`, copied to the same place under `to`.
-pub fn copy_dir(from: &Path, to: &Path) {
-    for entry in std::fs::read_dir(from).unwrap() {
-        let path = entry.unwrap().path();
-        let target = to.join(path.file_name().unwrap());
-        if path.is_dir() {
-            copy_dir(&path, &target);
-        } else {
-            std::fs::create_dir_all(to).unwrap();
-            std::fs::copy(&path, &target).unwrap();
-        }
-    }
-}
+pub use shotfleet_testkit::paths::copy_dir;
 
 /// The pixels of one small render (64x64, 4 steps, seed 11): what the format tests compare.
 pub fn lighthouse_pixels(pipeline: &Pipeline) -> Vec<u8> {

@@ -26,3 +26,17 @@ pub fn require(path: PathBuf, what: &str) -> PathBuf {
     );
     path
 }
+
+/// Every file under `from`, copied to the same place under `to` (made as needed): a model
+/// folder a test may break without touching the repository's.
+pub fn copy_dir(from: &std::path::Path, to: &std::path::Path) {
+    std::fs::create_dir_all(to).expect("make the copy's folder");
+    for entry in std::fs::read_dir(from).expect("read the folder to copy").flatten() {
+        let target = to.join(entry.file_name());
+        if entry.file_type().expect("file type").is_dir() {
+            copy_dir(&entry.path(), &target);
+        } else {
+            std::fs::copy(entry.path(), &target).expect("copy a file");
+        }
+    }
+}
