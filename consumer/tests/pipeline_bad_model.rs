@@ -5,7 +5,8 @@ mod pipeline_support;
 use std::fs;
 use std::path::{Path, PathBuf};
 
-use pipeline_support::{copy_dir, cpu_options, model_dir, require_ort};
+use pipeline_support::{cpu_options, model_dir, require_ort};
+use shotfleet_testkit::paths::copy_dir;
 use shotfleet_consumer::pipeline::{LoadError, Pipeline};
 use tempfile::TempDir;
 

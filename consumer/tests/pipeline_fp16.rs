@@ -9,7 +9,8 @@ mod pipeline_support;
 
 use std::path::Path;
 
-use pipeline_support::{copy_dir, cpu_options, lighthouse_pixels, load, model_dir, onnx_script, pixel_difference};
+use pipeline_support::{cpu_options, lighthouse_pixels, load, model_dir, onnx_script, pixel_difference};
+use shotfleet_testkit::paths::copy_dir;
 use shotfleet_consumer::pipeline::{ModelDtype, Pipeline};
 
 fn convert(out: &Path, edges_only: bool) {

@@ -7,7 +7,8 @@ use std::ops::ControlFlow;
 use std::path::Path;
 use std::sync::Arc;
 
-use pipeline_support::{copy_dir, cpu_options, load, lora_adapter, model_dir, tiny_pipeline};
+use pipeline_support::{cpu_options, load, lora_adapter, model_dir, tiny_pipeline};
+use shotfleet_testkit::paths::copy_dir;
 use shotfleet_consumer::pipeline::lora::{Adapter, LoraError, ResidentSet};
 use shotfleet_consumer::pipeline::{Pipeline, PipelineOptions, RenderControl, RenderRequest};
 use shotfleet_schema::lora::LoraFile;

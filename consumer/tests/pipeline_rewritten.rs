@@ -5,7 +5,8 @@
 
 mod pipeline_support;
 
-use pipeline_support::{copy_dir, lighthouse_pixels, load, model_dir, onnx_script, pixel_difference, tiny_pipeline};
+use pipeline_support::{lighthouse_pixels, load, model_dir, onnx_script, pixel_difference, tiny_pipeline};
+use shotfleet_testkit::paths::copy_dir;
 
 #[test]
 fn the_graph_passes_keep_every_output_of_a_graph_of_layout_borders() {

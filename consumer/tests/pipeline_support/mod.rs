@@ -65,8 +65,6 @@ pub fn onnx_script(script: &str, args: &[&std::ffi::OsStr]) {
     assert!(output.status.success(), "{script}: {}", String::from_utf8_lossy(&output.stderr));
 }
 
-pub use shotfleet_testkit::paths::copy_dir;
-
 /// The pixels of one small render (64x64, 4 steps, seed 11): what the format tests compare.
 pub fn lighthouse_pixels(pipeline: &Pipeline) -> Vec<u8> {
     let request = RenderRequest {
