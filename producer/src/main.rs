@@ -116,7 +116,8 @@ struct StatusArgs {
     /// Redraw every second until q or Ctrl-C, with the workers heard of in the last minute.
     #[arg(long)]
     watch: bool,
-    /// Follow only this project's progress events (a producer may read no other's).
+    /// Follow this project's progress events (a producer may read no other's): its jobs'
+    /// steps. Without it `--watch` follows every project's, and one status none.
     #[arg(long, env = "SHOTFLEET_PROJECT", value_parser = parse_project)]
     project: Option<String>,
 }
@@ -609,14 +610,28 @@ async fn show_status(options: &NatsOptions, args: StatusArgs) -> Result<u8, Fail
         watch::watch(&js, args.project.as_deref(), interactive).await.map_err(|e| server(anyhow::anyhow!(e)))?;
         return Ok(0);
     }
-    // The pings' answers arrive while the queues are read.
+    use futures::StreamExt as _;
+    // The pings' answers arrive while the queues are read, and with --project the progress
+    // events of its jobs rendering (a few a second each): every project's would be a
+    // permissions violation for a producer, which may read only its own.
     let client = js.client();
+    let mut events = match &args.project {
+        Some(project) => client.subscribe(watch::events_subject(Some(project))).await.ok(),
+        None => None,
+    };
     let (status, workers) = tokio::join!(status::read(&js), fleet::ping(&client, Duration::from_secs(1)));
     let status = status.map_err(|e| server(anyhow::anyhow!(e)))?;
     let mut seen = fleet::Fleet::default();
     let now = std::time::Instant::now();
     for state in workers.map_err(|e| server(anyhow::anyhow!(e)))? {
         seen.answered(state, now);
+    }
+    while let Some(events) = events.as_mut()
+        && let Ok(Some(message)) = tokio::time::timeout(Duration::ZERO, events.next()).await
+    {
+        if let Ok(event) = serde_json::from_slice::<shotfleet_schema::progress::ShotProgress>(&message.payload) {
+            seen.progressed(event, now);
+        }
     }
     print!("{}", status::render(&status, &seen, now));
     Ok(0)

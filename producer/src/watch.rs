@@ -18,6 +18,11 @@ use crate::status;
 /// How often the screen is redrawn.
 pub const EVERY: Duration = Duration::from_secs(1);
 
+/// The progress events a status follows: every project's, or `project`'s alone.
+pub fn events_subject(project: Option<&str>) -> String {
+    project.map_or_else(|| format!("{}.progress.>", subject::ROOT), progress::project_subjects)
+}
+
 /// Watches until the person quits. `project`: follow only its progress events (a producer may
 /// read no other project's).
 ///
@@ -25,8 +30,7 @@ pub const EVERY: Duration = Duration::from_secs(1);
 /// A subscription failed, or the status could not be read.
 pub async fn watch(js: &jetstream::Context, project: Option<&str>, interactive: bool) -> Result<(), String> {
     let client = js.client();
-    let events_subject = project.map_or_else(|| format!("{}.progress.>", subject::ROOT), progress::project_subjects);
-    let mut events = client.subscribe(events_subject).await.map_err(|e| e.to_string())?;
+    let mut events = client.subscribe(events_subject(project)).await.map_err(|e| e.to_string())?;
     let inbox = client.new_inbox();
     let mut answers = client.subscribe(inbox.clone()).await.map_err(|e| e.to_string())?;
     let screen = interactive.then(Screen::enter).transpose().map_err(|e| format!("cannot take over the terminal: {e}"))?;

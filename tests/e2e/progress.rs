@@ -132,3 +132,16 @@ async fn a_duplicate_of_a_queued_job_waits_for_its_own_outcome_not_an_older_fail
     assert!(text(&out).contains("already queued") && !text(&out).contains("failed invalid"), "{}", text(&out));
     assert_ne!(out.status.code(), Some(1), "the old failure was taken for this request's: {}", text(&out));
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn one_status_of_a_project_shows_its_jobs_steps() {
+    let fleet = OneWorker::start().await;
+    let js = &fleet.js;
+    let mut events = seeing::progress_events(&js.client(), "sp").await;
+    submit(js, &[shot(Priority::P1, job("sp-long", "sp", (128, 128), 150, 4))]).await;
+    seeing::wait_for(&mut events, "sp-long", shotfleet_schema::progress::ProgressEvent::Step).await;
+    let out = shotfleet(&fleet.url(), &["status", "--project", "sp"]).await;
+    let said = text(&out);
+    assert!(out.status.success(), "{said}");
+    assert!(said.lines().any(|l| l.contains("w1") && l.contains("sp-long step ")), "{said}");
+}
