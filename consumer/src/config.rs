@@ -341,7 +341,13 @@ impl WorkerConfig {
             }
             None => WorkerConfig::default(),
         };
-        let config = config.apply(env, flags)?;
+        let mut config = config.apply(env, flags)?;
+        // The default probe shapes follow `[limits]`: a worker that takes only smaller jobs (or
+        // fewer images) probes only what it may render. Shapes an operator lists are checked.
+        if config.calibration.shapes == CalibrationConfig::default().shapes {
+            let limits = &config.limits;
+            config.calibration.shapes.retain(|&[w, h, n]| limits.shape_problem(w, h, n).is_none());
+        }
         config.validate()?;
         Ok(config)
     }
@@ -492,7 +498,10 @@ impl WorkerConfig {
         sizes.sort_unstable();
         sizes.dedup();
         if sizes.len() < 2 {
-            return Err(bad("calibration.shapes", "give at least two shapes of different sizes"));
+            return Err(bad(
+                "calibration.shapes",
+                "give at least two shapes of different sizes (within [limits]: the default shapes outside them are left out)",
+            ));
         }
         if self.attempts.max_failures == 0 {
             return Err(bad("attempts.max_failures", "must be at least 1"));

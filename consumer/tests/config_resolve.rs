@@ -89,6 +89,12 @@ fn bad_settings_are_named() {
     assert!(e.contains("max_fill"), "{e}");
     let e = error(&cpu("", "[calibration]\nshapes = [[64, 64, 1]]\n"), &with_model, Overrides::default());
     assert!(e.contains("calibration.shapes"), "{e}");
+    // The default shapes follow narrower limits; listed ones are checked against them.
+    let (_dir, path) = write(&cpu("", "[limits]\nmax_images = 2\nmax_side = 768\n"));
+    let narrow = WorkerConfig::resolve(Some(&path), &env(&with_model), Overrides::default()).unwrap();
+    assert_eq!(narrow.calibration.shapes, vec![[512, 512, 1], [768, 768, 1]]);
+    let e = error(&cpu("", "[limits]\nmin_side = 1024\n"), &with_model, Overrides::default());
+    assert!(e.contains("calibration.shapes") && e.contains("default shapes outside them are left out"), "{e}");
     // Probe shapes are checked as a job's size would be, and two of one size are one size.
     for (shapes, needle) in [
         ("[[64, 64, 1], [64, 64, 2]]", "at least two shapes of different sizes"),

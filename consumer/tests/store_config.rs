@@ -66,6 +66,11 @@ async fn a_local_store_whose_folder_went_away_refuses_to_write_elsewhere() {
     assert_eq!(err.kind(), StoreErrorKind::Permanent, "{err}");
     assert!(err.to_string().contains("the store folder is gone"), "{err}");
     assert!(!folder.exists(), "nothing made in its place");
+    // An empty folder at the same path (a share's mount point, the share unmounted) is not it.
+    std::fs::create_dir(&folder).unwrap();
+    let err = store.check().await.unwrap_err();
+    assert!(err.to_string().contains("another folder than at start"), "{err}");
+    assert_eq!(std::fs::read_dir(&folder).unwrap().count(), 0, "nothing written there");
 }
 
 #[test]

@@ -638,19 +638,38 @@ async fn show_status(options: &NatsOptions, args: StatusArgs) -> Result<u8, Fail
 }
 
 /// When each duplicate's message, still queued, was published (the PubAck names it): the
-/// failures that count for it are written after.
+/// failures that count for it are written after. A producer role may not read `SHOTS`'
+/// messages (a refused request is never answered): the first look-up tells, within a second,
+/// and the rest are then not asked; they run side by side, each bounded.
 async fn duplicates_queued_at(
     js: &async_nats::jetstream::Context,
     placed: &[live::Placed],
     duplicates: &std::collections::HashSet<&String>,
 ) -> std::collections::HashMap<String, SystemTime> {
-    let mut found = std::collections::HashMap::new();
-    let Ok(stream) = js.get_stream_no_info(shotfleet_schema::subject::JOBS_STREAM).await else { return found };
-    for p in placed.iter().filter(|p| duplicates.contains(&p.job_id)) {
-        if let Ok(message) = stream.get_raw_message(p.sequence).await {
-            found.insert(p.job_id.clone(), message.time.into());
+    use futures::StreamExt as _;
+    const EACH: Duration = Duration::from_secs(1);
+    let Ok(stream) = js.get_stream_no_info(shotfleet_schema::subject::JOBS_STREAM).await else { return Default::default() };
+    let look_up = |p: &live::Placed| {
+        let stream = stream.clone();
+        let (job_id, sequence) = (p.job_id.clone(), p.sequence);
+        async move {
+            // `None`: no answer in time (a refused request); `Some(None)`: not queued any more.
+            match tokio::time::timeout(EACH, stream.get_raw_message(sequence)).await {
+                Ok(Ok(message)) => Some(Some((job_id, SystemTime::from(message.time)))),
+                Ok(Err(_)) => Some(None),
+                Err(_) => None,
+            }
         }
+    };
+    let mut wanted = placed.iter().filter(|p| duplicates.contains(&p.job_id));
+    let Some(first) = wanted.next() else { return Default::default() };
+    let mut found = std::collections::HashMap::new();
+    match look_up(first).await {
+        Some(queued) => found.extend(queued),
+        None => return found,
     }
+    let rest: Vec<_> = futures::stream::iter(wanted.map(look_up)).buffer_unordered(16).collect().await;
+    found.extend(rest.into_iter().flatten().flatten());
     found
 }
 

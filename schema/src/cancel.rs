@@ -25,7 +25,7 @@ pub const QUEUE_GROUP: &str = "shotfleet-cancel";
 
 /// A cancel request: a JSON object (an empty payload is a request with no name, for a job
 /// target). Unknown fields are refused, not ignored: this request deletes work.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 #[schemars(title = "CancelRequest", description = "A shotfleet cancel request, contract version 1.")]
 pub struct CancelRequest {
@@ -44,6 +44,13 @@ pub struct CancelRequest {
     /// With target [`WHOLE_PROJECT`]: every unfinished job of the project. Must be set for that.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub all: bool,
+}
+
+/// What an empty payload asks: this contract's version, no name, no selection.
+impl Default for CancelRequest {
+    fn default() -> Self {
+        Self { v: crate::VERSION, by: String::new(), jobs: Vec::new(), shot: None, all: false }
+    }
 }
 
 /// The jobs a valid request selects.
@@ -172,6 +179,9 @@ mod tests {
         assert_eq!(select(r#"{"jobs":["a","b"]}"#, WHOLE_PROJECT), Ok(Selection::Jobs(vec!["a".into(), "b".into()])));
         assert_eq!(select(r#"{"shot":"s1"}"#, WHOLE_PROJECT), Ok(Selection::Shot("s1".into())));
         assert_eq!(select("{}", "job-1"), Ok(Selection::Jobs(vec!["job-1".into()])));
+        // An empty payload (`nats req shots.cancel.<project>.<job> ''`) is the default request.
+        assert_eq!(CancelRequest::default().selection("job-1"), Ok(Selection::Jobs(vec!["job-1".into()])));
+        assert!(CancelRequest::default().selection(WHOLE_PROJECT).unwrap_err().contains("names what to cancel"));
         // What an outside client sent by mistake, each of which cancelled every job of the project.
         for (json, says) in [
             (r#"{"v":1,"jobs":[]}"#, "names what to cancel"),

@@ -109,7 +109,9 @@ async fn status_names_live_workers_and_classes_nobody_serves() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_duplicate_of_a_queued_job_waits_for_its_own_outcome_not_an_older_failure() {
     let server = shotfleet_testkit::NatsServer::start();
-    let topology = shotfleet_schema::nats::Topology { duplicate_window: Duration::from_secs(1), ..Default::default() };
+    // A window long enough for the third submit below to fall inside the second's, on a slow
+    // machine too, and short enough to wait out once.
+    let topology = shotfleet_schema::nats::Topology { duplicate_window: Duration::from_secs(4), ..Default::default() };
     let _js = shotfleet_tests::jetstream_with(&server.url(), &topology).await;
     let store = tempfile::tempdir().unwrap();
     let mut worker = shotfleet_tests::Worker::start(&server.url(), shotfleet_tests::WorkerSpec::new("dq", store.path()));
@@ -124,7 +126,7 @@ async fn a_duplicate_of_a_queued_job_waits_for_its_own_outcome_not_an_older_fail
     assert_eq!(out.status.code(), Some(1), "{}", text(&out));
     worker.kill();
     // Past the window the same job is queued again, and nobody renders it now.
-    tokio::time::sleep(Duration::from_millis(1500)).await;
+    tokio::time::sleep(Duration::from_millis(4500)).await;
     let out = shotfleet(&server.url(), &["submit", board.to_str().unwrap()]).await;
     assert!(out.status.success() && text(&out).contains("queued 1 job(s)"), "{}", text(&out));
     // A duplicate of that queued message: its outcome is still to come.

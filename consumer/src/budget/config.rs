@@ -83,8 +83,8 @@ impl Default for BudgetConfig {
 /// The most a simulated card may hold, MiB (1 TiB).
 const SIMULATED_MAX_MIB: u64 = 1 << 20;
 
-/// The most memory any card sold holds (192 GiB), MiB.
-const LARGEST_CARD_MIB: u64 = 192 * 1024;
+/// More memory than any card holds (the largest in 2026 hold 288 GB), MiB: a bound for slips.
+const LARGEST_CARD_MIB: u64 = 512 * 1024;
 
 /// A "GPU" of `total_mib` whose used memory is this process's resident memory plus
 /// `others_used_mib` that other processes are pretending to hold.
@@ -140,8 +140,8 @@ impl BudgetConfig {
         if self.learn_window == 0 {
             return Err(ConfigError { field: "learn_window", message: "must keep at least one observation".into() });
         }
-        // Held back from every card: more than the largest card sold (192 GiB) is a slip, which
-        // would else surface after the models loaded as "this card holds nothing".
+        // Held back from every card: more than any card holds is a slip, which would else
+        // surface after the models loaded as "this card holds nothing".
         for (field, value) in [("reserve_mib", self.reserve_mib), ("margin_mib", self.margin_mib)] {
             if value > LARGEST_CARD_MIB {
                 return Err(ConfigError { field, message: format!("{value} is more than any card holds ({LARGEST_CARD_MIB} MiB)") });

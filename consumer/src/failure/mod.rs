@@ -11,6 +11,7 @@
 //! | [`GiveBack`](ErrorKind::GiveBack) | no room now, the worker stopping, a first out-of-memory | nak after the delay; not a failed attempt |
 //! | [`DriverFault`](ErrorKind::DriverFault) | illegal address, launch failure, uncorrectable ECC, "GPU has fallen off the bus", CUDA 999, NVML `GpuLost` | nak at once (failed record `driver` when present at repeated faults), stop fetching, exit with [`EXIT_DRIVER_FAULT`] |
 //! | [`StoreUnusable`](ErrorKind::StoreUnusable) | credentials refused, permission denied, the bucket gone | when the store's start-up probe fails too: nak at once (not a failed attempt: the job is fine), stop fetching, not ready, exit with [`EXIT_STORE`]; when it passes, the refusal is of the job's keys: a failed attempt |
+//! | [`LibraryUnusable`](ErrorKind::LibraryUnusable) | the LoRA library's store refuses (credentials, permissions) | as a store that refuses everything: nak at once, stop, exit with [`EXIT_STORE`] |
 //!
 //! A CUDA context that saw a driver fault is unusable for the life of the process (CUDA's
 //! "sticky" errors), so nothing short of a new process recovers: hence the exit.
@@ -42,6 +43,9 @@ pub enum ErrorKind {
     DriverFault,
     /// The object store refuses every job (credentials, permissions, a missing bucket).
     StoreUnusable,
+    /// The LoRA library refuses (its store's credentials or permissions): the operator's to
+    /// fix, never the job's.
+    LibraryUnusable,
 }
 
 impl ErrorKind {
@@ -55,6 +59,7 @@ impl ErrorKind {
             ErrorKind::GiveBack { .. } => "give_back",
             ErrorKind::DriverFault => "driver",
             ErrorKind::StoreUnusable => "store_unusable",
+            ErrorKind::LibraryUnusable => "library_unusable",
         }
     }
 }

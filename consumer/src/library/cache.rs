@@ -33,8 +33,14 @@ impl DiskCache {
                 let _ = fs::remove_file(&path);
             }
         }
-        let probe = dir.join(format!("write-check-{}{PARTIAL}", std::process::id()));
-        fs::write(&probe, b"shotfleet").and_then(|()| fs::remove_file(&probe))?;
+        // Not named as a partial write: another worker's start-up on a shared cache removes
+        // those, and could remove this one between its write and its removal.
+        let probe = dir.join(format!(".write-check-{}", std::process::id()));
+        fs::write(&probe, b"shotfleet")?;
+        match fs::remove_file(&probe) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
+            _ => {}
+        }
         Ok(DiskCache { dir: dir.to_path_buf(), max_bytes })
     }
 

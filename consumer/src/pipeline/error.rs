@@ -71,6 +71,11 @@ pub enum LoadError {
     #[error("{path}: {detail}")]
     Graph { path: PathBuf, detail: String },
 
+    /// A first run at load (the test encode, the warm-up render) failed: the device (out of
+    /// memory, a fault) as often as the folder, so not told apart here.
+    #[error("{path}: {detail}")]
+    Run { path: PathBuf, detail: String },
+
     /// An option this build does not implement.
     #[error("unsupported: {detail}")]
     Unsupported { detail: String },
@@ -91,8 +96,9 @@ pub enum LoadError {
 
 impl LoadError {
     /// Whether the folder itself is at fault (a file missing, a JSON, tokenizer or graph not as
-    /// the pipeline needs, an option not built), as against the machine (reading the disk,
-    /// ONNX Runtime's memory or library): only the machine's may mend on a restart.
+    /// the pipeline needs, an option not built), as against the machine or a first run (reading
+    /// the disk, ONNX Runtime's memory or library, the warm-up on the device): only those may
+    /// mend on a restart.
     pub fn is_the_folders(&self) -> bool {
         matches!(
             self,

@@ -496,7 +496,7 @@ impl Pipeline {
                 let runs = Runs::new(&CancelHandle::new(), Shrink::Never, &options.device).map_err(|e| format!("cannot create run options: {e}"))?;
                 text.encode("", None, &runs).map_err(|e| format!("test encode failed: {e}"))
             })
-            .map_err(|detail| LoadError::Graph { path: model_dir.join(model::TEXT_ENCODER), detail })?;
+            .map_err(|detail| LoadError::Run { path: model_dir.join(model::TEXT_ENCODER), detail })?;
         unet.check_conditioning(&probe)?;
         let latent_channels = match (unet.latent_channels, vae.latent_channels.or(config.vae_latent_channels)) {
             (Some(u), Some(v)) if u != v => {
@@ -556,7 +556,7 @@ impl Pipeline {
             })
             .into_iter()
             .collect::<Result<Vec<_>, _>>()
-            .map_err(|detail| LoadError::Graph {
+            .map_err(|detail| LoadError::Run {
                 path: self.model_dir.clone(),
                 detail: format!("the warm-up render on run thread {detail}"),
             })

@@ -75,6 +75,38 @@ pub enum Location {
 }
 
 /// A store ready to use: the client, the key prefix inside it, and a description for messages.
+/// A `file://` store's folder as it was opened: the same folder, not only one at the same path,
+/// must be there at each put. A share's mount point stays behind when the share is unmounted,
+/// an empty folder on the local disk; its device and inode tell it from the share's root.
+#[derive(Debug, Clone)]
+pub(crate) struct LocalRoot {
+    pub path: PathBuf,
+    identity: (u64, u64),
+}
+
+impl LocalRoot {
+    fn of(path: PathBuf) -> std::io::Result<Self> {
+        let identity = Self::identity_of(&path)?;
+        Ok(Self { path, identity })
+    }
+
+    fn identity_of(path: &std::path::Path) -> std::io::Result<(u64, u64)> {
+        use std::os::unix::fs::MetadataExt as _;
+        let meta = std::fs::metadata(path)?;
+        Ok((meta.dev(), meta.ino()))
+    }
+
+    /// Why the folder is not the one opened, if it is not.
+    pub fn gone(&self) -> Option<std::io::Error> {
+        let why = match Self::identity_of(&self.path) {
+            Ok(identity) if identity == self.identity => return None,
+            Ok(_) => "the store folder is another folder than at start (a share unmounted, or the folder replaced)",
+            Err(_) => "the store folder is gone (unmounted, moved or deleted?)",
+        };
+        Some(std::io::Error::new(std::io::ErrorKind::NotFound, format!("{why}; nothing is written in its place")))
+    }
+}
+
 pub(crate) struct Opened {
     pub inner: Arc<dyn ObjectStore>,
     pub prefix: Path,
@@ -85,7 +117,7 @@ pub(crate) struct Opened {
     /// Whether puts may set a Content-Type (the local filesystem rejects attributes).
     pub attributes: bool,
     /// A local store's folder, which must still be there at each put.
-    pub local_root: Option<PathBuf>,
+    pub local_root: Option<LocalRoot>,
 }
 
 impl StoreConfig {
@@ -167,7 +199,8 @@ impl StoreConfig {
             .with_fsync(true)
             // Sweeping a job's leftovers should not leave its empty folder behind.
             .with_automatic_cleanup(true);
-        Ok(Opened { inner: Arc::new(fs), prefix: Path::ROOT, url_base: location.clone(), location, attributes: false, local_root: Some(root) })
+        let local_root = LocalRoot::of(root).map_err(|source| StoreError::Folder { path: display.clone(), source })?;
+        Ok(Opened { inner: Arc::new(fs), prefix: Path::ROOT, url_base: location.clone(), location, attributes: false, local_root: Some(local_root) })
     }
 
     fn open_s3<K, V>(

@@ -59,7 +59,7 @@ pub struct Store {
     attributes: bool,
     retry: RetryConfig,
     /// The folder of a `file://` store.
-    local_root: Option<std::path::PathBuf>,
+    local_root: Option<config::LocalRoot>,
 }
 
 impl fmt::Debug for Store {
@@ -237,9 +237,10 @@ impl Store {
     async fn put_path(&self, path: &Path, body: Bytes) -> Result<(), StoreError> {
         // The local store makes a key's folders as it writes: its own folder gone (a share
         // unmounted, the folder moved) would be made again on the local disk, unseen.
-        if let Some(root) = self.local_root.as_ref().filter(|root| !root.is_dir()) {
-            let gone = std::io::Error::new(std::io::ErrorKind::NotFound, "the store folder is gone (unmounted, moved or deleted?); nothing is written in its place");
-            return Err(StoreError::Folder { path: root.display().to_string(), source: gone });
+        if let Some(root) = &self.local_root
+            && let Some(gone) = root.gone()
+        {
+            return Err(StoreError::Folder { path: root.path.display().to_string(), source: gone });
         }
         let mut options = PutOptions::default();
         if self.attributes {

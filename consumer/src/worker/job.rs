@@ -224,7 +224,9 @@ fn decode(shared: &Shared, delivery: &Delivery) -> Result<ShotJob, Box<Rejected>
     // Before routing or degrading: a size this model cannot render is the job's fault, wherever
     // it would be sent (a worker holding no class of it degraded such a job to a size it could).
     if let Some(message) = shared.model.size_problem(job.width, job.height) {
-        let problems = vec![Problem { field: "width".into(), message }];
+        let m = shared.model.side_multiple;
+        let sides = [("width", job.width), ("height", job.height)];
+        let problems = sides.iter().filter(|(_, side)| *side == 0 || !side.is_multiple_of(m)).map(|(field, _)| Problem { field: (*field).into(), message: message.clone() }).collect();
         return Err(reject(Some(job), InvalidJob::Invalid(ValidationError { problems })));
     }
     Ok(job)

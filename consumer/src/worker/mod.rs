@@ -319,8 +319,9 @@ pub async fn run(
     })?;
 
     health.set_not_ready("loading models and calibrating");
-    // Loading and calibrating take minutes on a card: a signal meanwhile ends the worker at once
-    // (it holds no job yet), rather than after the probes, past an orchestrator's grace.
+    // Loading and calibrating take minutes on a card: a signal meanwhile ends the worker there
+    // (it holds no job yet), rather than after the probes, past an orchestrator's grace. A probe
+    // ends at its step; a session ONNX Runtime is building, when that returns.
     let ready = tokio::select! {
         ready = startup::prepare(&config) => ready.inspect_err(|e| health.set_not_ready(e.to_string()))?,
         () = stop.cancelled() => {

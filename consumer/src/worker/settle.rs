@@ -11,6 +11,7 @@
 //! | [`Oom`](ErrorKind::Oom) (one image at a time, tiled VAE) | re-publish one rung down and ack, or below the floor failed record `oom` |
 //! | [`DriverFault`](ErrorKind::DriverFault) | nak at once (failed record `driver` when present at repeated faults), stop the worker |
 //! | [`StoreUnusable`](ErrorKind::StoreUnusable) | the store's probe still passes: a failed attempt (the refusal is of this job's keys); else nak at once, stop the worker |
+//! | [`LibraryUnusable`](ErrorKind::LibraryUnusable) | nak at once, stop the worker (the image store's probe says nothing of the library) |
 //!
 //! Failing a job writes its failed record first, then claims the job's result subject with a
 //! `failed` outcome (commit.rs): if another worker committed a result meanwhile, the record is
@@ -100,12 +101,13 @@ async fn stop(shared: &Shared, held: &Held<'_>, error: JobError) -> JobOutcome {
             shared.driver_fault(held.job.map(|j| j.job_id.as_str()), &error.detail).await;
             outcome
         }
-        ErrorKind::StoreUnusable => {
+        ErrorKind::StoreUnusable | ErrorKind::LibraryUnusable => {
             // The store's own probe tells a refusal of this job's keys (a policy on one
             // project's prefix, one folder made read-only) from a refusal of everything: the
             // first is the job's, counted as a failed attempt; only the second stops the worker,
-            // which else every worker taking the job in turn would do.
-            if shared.store.check().await.is_ok() {
+            // which else every worker taking the job in turn would do. The image store's probe
+            // says nothing of the LoRA library's: a refusing library stops the worker.
+            if error.kind == ErrorKind::StoreUnusable && shared.store.check().await.is_ok() {
                 let detail = format!("{}; the store takes other keys: this job's are refused", error.detail);
                 return failed_attempt(shared, held, &detail).await;
             }

@@ -303,7 +303,7 @@ fn library_error(e: LibraryError) -> JobError {
     let kind = match e.kind() {
         LibraryErrorKind::InvalidJob => ErrorKind::Invalid,
         LibraryErrorKind::Retry => ErrorKind::Transient,
-        LibraryErrorKind::Operator => ErrorKind::StoreUnusable,
+        LibraryErrorKind::Operator => ErrorKind::LibraryUnusable,
     };
     JobError::new(kind, e.to_string())
 }
