@@ -270,13 +270,14 @@ def set_summary(run_dir: Path, key: str, meta: dict, log: WorkerLog, vram: Vram)
     if gpu:
         out["busy_fraction"] = r(gpu.get("busy_fraction"), 4)
         out["gpu_samples"] = gpu.get("samples")
-        window = backlog_window(done)
+        spans = render_spans(log, done)
+        window = backlog_window(spans)
         backlog = busy_between(gpu, *window) if window else None
         if backlog:
             out["busy_backlog"] = backlog["busy_fraction"]
             out["busy_backlog_s"] = r(window[1] - window[0], 1)
         if window:
-            out["renders_in_flight"] = renders_in_flight(done, window)
+            out["renders_in_flight"] = renders_in_flight(spans, window)
         if gpu.get("error") and not gpu.get("samples"):
             out["gpu_sampler_error"] = gpu["error"]
     if len(submit["jobs"]) <= 20:  # the mixed run's 200 are in submit-KEY.txt; its tally is above
@@ -298,23 +299,42 @@ def set_summary(run_dir: Path, key: str, meta: dict, log: WorkerLog, vram: Vram)
     return out
 
 
-def backlog_window(done: list[dict]) -> tuple[float, float] | None:
-    """From the first render's start to the last's (each `job done` line's time less its
-    render_ms, which leaves out the PNG and upload after it): while jobs are still to be taken,
-    the window where an idle card is a gap to close, not the start-up or the tail."""
-    starts = [x["t"] - x["fields"]["render_ms"] / 1000 for x in done
-              if isinstance(x["fields"].get("render_ms"), (int, float))]
+def render_spans(log: "WorkerLog", done: list[dict]) -> list[tuple[float, float]]:
+    """Each render of a set once, as (start, end). A group's from its `rendered a group` line,
+    logged as the render ends, less its elapsed_ms; a job rendered alone from its `job done`
+    line less its PNG, upload and render times (that line comes after the upload and the
+    commit). A `job done` line whose render_ms is a group's elapsed_ms is that group's member
+    (they share it), not a render of its own."""
+    timed = [x for x in done if isinstance(x["fields"].get("render_ms"), (int, float))]
+    if not timed:
+        return []
+    first = min(x["t"] - x["fields"]["render_ms"] / 1000 for x in timed) - 1.0
+    last = max(x["t"] for x in timed)
+    groups = [g for g in log.with_message("rendered a group")
+              if g["t"] and first <= g["t"] <= last and isinstance(g["fields"].get("elapsed_ms"), (int, float))]
+    spans = [(g["t"] - g["fields"]["elapsed_ms"] / 1000, g["t"]) for g in groups]
+    grouped = {g["fields"]["elapsed_ms"] for g in groups}
+    for x in timed:
+        f = x["fields"]
+        if f["render_ms"] in grouped:
+            continue
+        end = x["t"] - (float(f.get("png_ms") or 0) + float(f.get("upload_ms") or 0)) / 1000
+        spans.append((end - f["render_ms"] / 1000, end))
+    return sorted(spans)
+
+
+def backlog_window(spans: list[tuple[float, float]]) -> tuple[float, float] | None:
+    """From the first render's start to the last's: while jobs are still to be taken, the
+    window where an idle card is a gap to close, not the start-up or the tail."""
+    starts = [start for start, _ in spans]
     return (min(starts), max(starts)) if len(starts) > 1 and max(starts) > min(starts) else None
 
 
-def renders_in_flight(done: list[dict], window: tuple[float, float]) -> dict:
+def renders_in_flight(spans: list[tuple[float, float]], window: tuple[float, float]) -> dict:
     """Over the backlog window, the share of time with at least one render running and with
-    two or more (renders from the `job done` lines, each [time - render_ms, time], one per group:
-    a group's jobs share their render). Against NVML's busy fraction it tells a card left idle
-    between renders (the fleet's gap) from one idle inside them (the pipeline's)."""
-    spans = sorted({(round(x["t"] - x["fields"]["render_ms"] / 1000, 2), x["fields"]["render_ms"]) for x in done
-                    if isinstance(x["fields"].get("render_ms"), (int, float))})
-    edges = sorted([(start, 1) for start, _ in spans] + [(start + ms / 1000, -1) for start, ms in spans])
+    two or more. Against NVML's busy fraction it tells a card left idle between renders (the
+    fleet's gap) from one idle inside them (the pipeline's)."""
+    edges = sorted([(start, 1) for start, _ in spans] + [(end, -1) for _, end in spans])
     t0, t1 = window
     running, last, shares = 0, t0, {1: 0.0, 2: 0.0}
     for t, step in edges:
@@ -324,7 +344,7 @@ def renders_in_flight(done: list[dict], window: tuple[float, float]) -> dict:
                 shares[n] += t - last
         running, last = running + step, t
     length = t1 - t0
-    return {"one_or_more": r(shares[1] / length, 4), "two_or_more": r(shares[2] / length, 4)}
+    return {"one_or_more": r(shares[1] / length, 4), "two_or_more": r(shares[2] / length, 4), "renders": len(spans)}
 
 
 def busy_cell(row: dict) -> str:
