@@ -67,16 +67,31 @@ pub async fn wait(
     let wanted: HashMap<&str, &Awaited> = jobs.iter().map(|j| (j.job_id.as_str(), j)).collect();
     let projects: BTreeSet<&str> = jobs.iter().map(|j| j.project.as_str()).collect();
     let mut feeds = Vec::new();
+    // The feeds still delivering what was stored before the wait began: a failure read from
+    // them may be followed by a later result of the same job (a replay), so the wait does not
+    // end on a failure before they are read through.
+    let mut behind: HashSet<String> = HashSet::new();
     for project in projects {
-        feeds.push(follow(js, subject::RESULTS_STREAM, format!("{}.done.{project}.*", subject::ROOT), consumer::DeliverPolicy::All).await?);
-        feeds.push(follow(js, subject::FAILED_STREAM, format!("{}.failed.*.{project}", subject::ROOT), consumer::DeliverPolicy::All).await?);
+        for (stream, filter) in [
+            (subject::RESULTS_STREAM, format!("{}.done.{project}.*", subject::ROOT)),
+            (subject::FAILED_STREAM, format!("{}.failed.*.{project}", subject::ROOT)),
+        ] {
+            let (messages, pending) = follow_counted(js, stream, filter, consumer::DeliverPolicy::All).await?;
+            if pending > 0 {
+                behind.insert(feed_of(stream, project));
+            }
+            feeds.push(messages);
+        }
     }
     let mut messages = futures::stream::select_all(feeds);
     let mut outcomes: HashMap<String, Outcome> = HashMap::new();
     let mut done: HashSet<String> = HashSet::new();
     let deadline = timeout.map(|t| tokio::time::Instant::now() + t);
+    let settled = |done: &HashSet<String>, outcomes: &HashMap<String, Outcome>, behind: &HashSet<String>| {
+        done.len() >= wanted.len() && (behind.is_empty() || !outcomes.values().any(Outcome::is_failed))
+    };
 
-    while done.len() < wanted.len() {
+    while !settled(&done, &outcomes, &behind) {
         let next = match deadline {
             Some(deadline) => match tokio::time::timeout_at(deadline, messages.next()).await {
                 Ok(next) => next,
@@ -88,6 +103,9 @@ pub async fn wait(
         };
         let Some(message) = next else { break };
         let Ok(message) = message else { continue };
+        if message.info().is_ok_and(|info| info.pending == 0) {
+            behind.retain(|feed| !feed_matches(feed, &message.subject));
+        }
         let Some((job_id, outcome)) = read_outcome(&message, &wanted, since) else { continue };
         // A result is final; a failure stands only until a result arrives, and is told once
         // (a failed job has both a failed outcome and a failed record).
@@ -103,6 +121,22 @@ pub async fn wait(
     Ok(outcomes)
 }
 
+/// A feed's name: its stream and project.
+fn feed_of(stream: &str, project: &str) -> String {
+    format!("{stream}/{project}")
+}
+
+/// Whether `message_subject` (`shots.done.<project>.<job>`, `shots.failed.<prio>.<project>`)
+/// came through `feed`.
+fn feed_matches(feed: &str, message_subject: &str) -> bool {
+    let parts: Vec<&str> = message_subject.split('.').collect();
+    match parts[..] {
+        [_, "done", project, _] => feed == feed_of(subject::RESULTS_STREAM, project),
+        [_, "failed", _, project] => feed == feed_of(subject::FAILED_STREAM, project),
+        _ => false,
+    }
+}
+
 /// An ordered consumer over one stream and filter, from `deliver` on. Retried for a while:
 /// during a cluster's leader election, JetStream API requests time out until a new leader
 /// answers.
@@ -115,11 +149,24 @@ pub async fn follow(
     filter: String,
     deliver: consumer::DeliverPolicy,
 ) -> Result<consumer::push::Ordered, WaitError> {
+    follow_counted(js, stream, filter, deliver).await.map(|(messages, _)| messages)
+}
+
+/// [`follow`], with how many stored messages it has to deliver before the new ones.
+///
+/// # Errors
+/// As [`follow`].
+async fn follow_counted(
+    js: &jetstream::Context,
+    stream: &str,
+    filter: String,
+    deliver: consumer::DeliverPolicy,
+) -> Result<(consumer::push::Ordered, u64), WaitError> {
     const PATIENCE: std::time::Duration = std::time::Duration::from_secs(30);
     let started = tokio::time::Instant::now();
     loop {
         match try_follow(js, stream, &filter, deliver).await {
-            Ok(messages) => return Ok(messages),
+            Ok(followed) => return Ok(followed),
             Err(detail) if started.elapsed() < PATIENCE => {
                 tracing::warn!(stream, filter = %filter, error = %detail, "cannot follow yet; retrying");
                 tokio::time::sleep(std::time::Duration::from_millis(500)).await;
@@ -134,7 +181,7 @@ async fn try_follow(
     stream: &str,
     filter: &str,
     deliver: consumer::DeliverPolicy,
-) -> Result<consumer::push::Ordered, String> {
+) -> Result<(consumer::push::Ordered, u64), String> {
     let stream = js.get_stream(stream).await.map_err(|e| e.to_string())?;
     let inbox = js.client().new_inbox();
     // A named consumer is created on `CONSUMER.CREATE.<stream>.<name>.<filter>`, which a
@@ -150,7 +197,8 @@ async fn try_follow(
         })
         .await
         .map_err(|e| e.to_string())?;
-    consumer.messages().await.map_err(|e| e.to_string())
+    let pending = consumer.cached_info().num_pending;
+    Ok((consumer.messages().await.map_err(|e| e.to_string())?, pending))
 }
 
 fn read_outcome(

@@ -147,3 +147,26 @@ async fn one_status_of_a_project_shows_its_jobs_steps() {
     assert!(out.status.success(), "{said}");
     assert!(said.lines().any(|l| l.contains("w1") && l.contains("sp-long step ")), "{said}");
 }
+
+/// A failure then a result of one job, both stored before the wait began (a failed job
+/// replayed and rendered): the wait reads the stored outcomes through, and the result stands.
+#[tokio::test]
+async fn a_wait_reads_stored_outcomes_through_before_a_failure_stands() {
+    let server = shotfleet_testkit::NatsServer::start();
+    let js = shotfleet_tests::jetstream_with(&server.url(), &Default::default()).await;
+    let outcome = |status: &str, failure: serde_json::Value| {
+        serde_json::json!({
+            "v": 1, "job_id": "rr-1", "project": "rr", "shot_id": "s1", "status": status, "images": [],
+            "worker": "w", "device": "cpu", "attempt": 1, "timing": {"queue_ms": 0, "render_ms": 0, "upload_ms": 0},
+            "finished_at_ms": 0, "failure": failure
+        })
+    };
+    let failed = outcome("failed", serde_json::json!({"reason": "invalid", "detail": "no LoRA named `ghost`", "attempts": 1}));
+    let done = outcome("done", serde_json::Value::Null);
+    for result in [failed, done] {
+        js.publish("shots.done.rr.rr-1", serde_json::to_vec(&result).unwrap().into()).await.unwrap().await.unwrap();
+    }
+    let awaited = [shotfleet_producer::wait::Awaited { project: "rr".into(), job_id: "rr-1".into(), duplicate: true, queued_at: None }];
+    let ended = shotfleet_producer::wait::wait(&js, &awaited, std::time::SystemTime::now(), Some(Duration::from_secs(10)), |_, _| {}).await.unwrap();
+    assert!(matches!(ended["rr-1"], shotfleet_producer::wait::Outcome::Done(_)), "{:?}", ended["rr-1"]);
+}
