@@ -54,7 +54,10 @@ impl Target {
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum CancelError {
-    #[error("no worker answered the cancel request within {0:?}: nothing was cancelled (is any worker running?)")]
+    #[error(
+        "no worker answered the cancel request within {0:?}: a worker may still be cancelling (a large project takes longer: \
+         give --timeout more), or none took it; `shotfleet status` shows what is queued, and cancelling again changes nothing already cancelled"
+    )]
     NoAnswer(Duration),
     #[error(
         "no worker is running to take the cancel request: nothing was cancelled (queued jobs can be cancelled once a worker is up)"

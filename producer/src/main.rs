@@ -690,7 +690,6 @@ async fn cancel_jobs(options: &NatsOptions, args: CancelArgs) -> Result<u8, Fail
     let js = connect(options).await?;
     let reply = cancel::cancel(&js.client(), &target, &by, args.timeout).await.map_err(server)?;
     println!("{:<24} {:<12} {:<17} {:>7}  detail", "job", "shot", "result", "removed");
-    let mut problems = 0;
     for job in &reply.jobs {
         let result = match job.result {
             shotfleet_schema::CancelResult::Cancelled => "cancelled",
@@ -701,10 +700,25 @@ async fn cancel_jobs(options: &NatsOptions, args: CancelArgs) -> Result<u8, Fail
         let status = job.status.map(|s| format!("{s:?}").to_lowercase()).unwrap_or_default();
         let detail = if matches!(job.result, shotfleet_schema::CancelResult::AlreadyFinished) { format!("{status}: {}", job.detail) } else { job.detail.clone() };
         println!("{:<24} {:<12} {:<17} {:>7}  {detail}", job.job_id, job.shot_id, result, job.removed);
-        problems += usize::from(matches!(job.result, shotfleet_schema::CancelResult::Unknown | shotfleet_schema::CancelResult::Failed));
     }
-    let cancelled = reply.jobs.iter().filter(|j| j.result == shotfleet_schema::CancelResult::Cancelled).count();
-    println!("{cancelled} cancelled, {} already finished, {problems} unknown or not cancelled (answered by {})", reply.jobs.len() - cancelled - problems, reply.worker);
+    if reply.omitted > 0 {
+        println!("... and {} more, not listed", reply.omitted);
+    }
+    // The tally counts the jobs not listed too (a worker before it sends none: count the list).
+    let tally = reply.tally.unwrap_or_else(|| {
+        let count = |result| u32::try_from(reply.jobs.iter().filter(|j| j.result == result).count()).unwrap_or(u32::MAX);
+        shotfleet_schema::cancel::CancelTally {
+            cancelled: count(shotfleet_schema::CancelResult::Cancelled),
+            already_finished: count(shotfleet_schema::CancelResult::AlreadyFinished),
+            unknown: count(shotfleet_schema::CancelResult::Unknown),
+            failed: count(shotfleet_schema::CancelResult::Failed),
+        }
+    });
+    let problems = tally.unknown + tally.failed;
+    println!(
+        "{} cancelled, {} already finished, {problems} unknown or not cancelled (answered by {})",
+        tally.cancelled, tally.already_finished, reply.worker
+    );
     Ok(if problems > 0 { 1 } else { 0 })
 }
 

@@ -104,12 +104,53 @@ pub struct CancelReply {
     pub v: u32,
     /// The worker that answered.
     pub worker: String,
-    /// One entry per job the request named or selected.
+    /// One entry per job the request named or selected, the first [`MAX_LISTED`] of them: a
+    /// reply must fit one NATS message (1 MiB by default), and a project's thousands would not.
     pub jobs: Vec<CancelledJob>,
+    /// Entries left out of `jobs` (counted in `tally`).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub omitted: u32,
+    /// How many jobs ended each way, listed or not (absent from workers before it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tally: Option<CancelTally>,
     /// Set when the request could not be handled at all (a malformed request, the streams
     /// unreadable); nothing was cancelled then.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
+}
+
+/// The most jobs a reply lists; the rest are counted ([`CancelReply::omitted`]).
+pub const MAX_LISTED: usize = 2000;
+
+/// How many jobs a request ended each way.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct CancelTally {
+    pub cancelled: u32,
+    pub already_finished: u32,
+    pub unknown: u32,
+    pub failed: u32,
+}
+
+impl CancelReply {
+    /// The reply listing `jobs` (the first [`MAX_LISTED`]), with their tally.
+    pub fn with_jobs(v: u32, worker: String, mut jobs: Vec<CancelledJob>) -> Self {
+        let mut tally = CancelTally::default();
+        for job in &jobs {
+            *match job.result {
+                CancelResult::Cancelled => &mut tally.cancelled,
+                CancelResult::AlreadyFinished => &mut tally.already_finished,
+                CancelResult::Unknown => &mut tally.unknown,
+                CancelResult::Failed => &mut tally.failed,
+            } += 1;
+        }
+        let omitted = u32::try_from(jobs.len().saturating_sub(MAX_LISTED)).unwrap_or(u32::MAX);
+        jobs.truncate(MAX_LISTED);
+        Self { v, worker, jobs, omitted, tally: Some(tally), error: None }
+    }
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
 }
 
 /// What became of one job.
@@ -170,6 +211,26 @@ mod tests {
 
     fn parse(json: &str) -> Result<CancelRequest, String> {
         serde_json::from_str(json).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn a_reply_lists_at_most_max_listed_jobs_and_counts_them_all() {
+        let job = |i: usize, result| CancelledJob {
+            job_id: format!("j{i}"),
+            shot_id: String::new(),
+            result,
+            status: None,
+            removed: 0,
+            detail: String::new(),
+        };
+        let jobs: Vec<CancelledJob> =
+            (0..MAX_LISTED + 500).map(|i| job(i, if i % 5 == 0 { CancelResult::AlreadyFinished } else { CancelResult::Cancelled })).collect();
+        let reply = CancelReply::with_jobs(1, "w".into(), jobs);
+        assert_eq!((reply.jobs.len(), reply.omitted), (MAX_LISTED, 500));
+        let tally = reply.tally.unwrap();
+        assert_eq!((tally.cancelled, tally.already_finished), (2000, 500));
+        // 2,500 entries stay far inside a NATS message (1 MiB by default) listed; the rest counted.
+        assert!(serde_json::to_vec(&reply).unwrap().len() < 512 * 1024);
     }
 
     #[test]

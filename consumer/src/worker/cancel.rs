@@ -59,15 +59,14 @@ struct Queued {
 }
 
 async fn answer(shared: &Shared, message: &async_nats::Message) -> CancelReply {
-    let mut reply = CancelReply { v: shotfleet_schema::VERSION, worker: shared.config.worker_id.clone(), jobs: Vec::new(), error: None };
+    let worker = shared.config.worker_id.clone();
     match cancel_all(shared, message).await {
-        Ok(jobs) => reply.jobs = jobs,
+        Ok(jobs) => CancelReply::with_jobs(shotfleet_schema::VERSION, worker, jobs),
         Err(error) => {
             warn!(subject = %message.subject, error, "cannot handle a cancel request");
-            reply.error = Some(error);
+            CancelReply { error: Some(error), ..CancelReply::with_jobs(shotfleet_schema::VERSION, worker, Vec::new()) }
         }
     }
-    reply
 }
 
 async fn cancel_all(shared: &Shared, message: &async_nats::Message) -> Result<Vec<CancelledJob>, String> {
