@@ -55,12 +55,14 @@ pub enum Format {
 }
 
 impl Format {
-    /// By extension (`.jsonl`, `.ndjson`, `.json`, `.csv`); otherwise by the first character.
+    /// By extension (`.jsonl`, `.ndjson`, `.json`, `.csv`); otherwise by the first character
+    /// (after a byte order mark).
     pub fn detect(path: &Path, text: &str) -> Self {
+        let text = text.strip_prefix('\u{feff}').unwrap_or(text);
         match path.extension().and_then(|e| e.to_str()).map(str::to_ascii_lowercase).as_deref() {
             Some("csv") => Self::Csv,
             Some("jsonl" | "ndjson" | "json") => Self::JsonLines,
-            _ if text.trim_start().starts_with('{') => Self::JsonLines,
+            _ if text.trim_start().starts_with(['{', '[']) => Self::JsonLines,
             _ => Self::Csv,
         }
     }
@@ -115,18 +117,88 @@ fn whole_line(line: usize, message: impl Into<String>) -> LineError {
     LineError { line, field: String::new(), message: message.into() }
 }
 
-/// One object a line; blank lines and comments (`//` or `#`) are skipped.
+/// One object a line; blank lines and comments (`//` or `#`) are skipped. A file that is one
+/// JSON array of objects (a `.json` export) is read as such, each object's line its own.
 fn json_rows(text: &str) -> Vec<Row> {
+    if text.trim_start().starts_with('[') {
+        return json_array_rows(text);
+    }
     text.lines()
         .enumerate()
         .map(|(i, l)| (i + 1, l.trim()))
         .filter(|(_, l)| !l.is_empty() && !l.starts_with("//") && !l.starts_with('#'))
         .map(|(line, l)| match serde_json::from_str::<Value>(l) {
-            Ok(Value::Object(object)) => Ok((line, object)),
+            Ok(Value::Object(object)) => known_fields(line, object),
             Ok(_) => Err(whole_line(line, "expected a JSON object")),
             Err(e) => Err(whole_line(line, format!("not valid JSON: {e}"))),
         })
         .collect()
+}
+
+/// The objects of a JSON array, each named by the line it starts on.
+fn json_array_rows(text: &str) -> Vec<Row> {
+    let line_of = |offset: usize| text[..offset.min(text.len())].matches('\n').count() + 1;
+    let values: Vec<Value> = match serde_json::from_str(text) {
+        Ok(values) => values,
+        Err(e) => return vec![Err(whole_line(e.line(), format!("not a valid JSON array of shots: {e}")))],
+    };
+    // Where each top-level object starts: serde_json keeps no offsets, so find them by
+    // scanning the text the way JSON nests (strings skipped).
+    let mut starts = Vec::new();
+    let (mut depth, mut in_string, mut escaped) = (0usize, false, false);
+    for (at, c) in text.char_indices() {
+        match (in_string, c) {
+            (true, _) if escaped => escaped = false,
+            (true, '\\') => escaped = true,
+            (true, '"') => in_string = false,
+            (true, _) => {}
+            (false, '"') => in_string = true,
+            (false, '[' | '{') => {
+                if depth == 1 && c == '{' {
+                    starts.push(at);
+                }
+                depth += 1;
+            }
+            (false, ']' | '}') => depth = depth.saturating_sub(1),
+            _ => {}
+        }
+    }
+    values
+        .into_iter()
+        .enumerate()
+        .map(|(i, value)| {
+            let line = starts.get(i).map_or(1, |&at| line_of(at));
+            match value {
+                Value::Object(object) => known_fields(line, object),
+                _ => Err(whole_line(line, format!("element {} of the array is not a JSON object", i + 1))),
+            }
+        })
+        .collect()
+}
+
+/// The fields a storyboard line may have: a job's, and its priority.
+const JSON_FIELDS: [&str; 15] = [
+    "v", "job_id", "project", "shot_id", "prompt", "negative_prompt", "width", "height", "steps", "guidance", "seed", "images",
+    "loras", "floor", "priority",
+];
+
+/// The object when every field is one a shot has: a misspelt field (`lora`, `image`,
+/// `negativ_prompt`) would else be dropped and the shot rendered without it, unsaid.
+fn known_fields(line: usize, object: Map<String, Value>) -> Row {
+    if let Some(unknown) = object.keys().find(|k| !JSON_FIELDS.contains(&k.as_str())) {
+        let near = JSON_FIELDS.iter().copied().min_by_key(|known| strsim::levenshtein(&unknown.to_lowercase(), known));
+        let hint = near
+            .filter(|known| strsim::levenshtein(&unknown.to_lowercase(), known) <= 2)
+            .map(|known| format!("did you mean `{known}`? "))
+            .unwrap_or_default();
+        let message = if unknown == "degrade" {
+            "set by workers only: leave it out".to_owned()
+        } else {
+            format!("unknown field; {hint}known fields are {}", JSON_FIELDS.join(", "))
+        };
+        return Err(LineError { line, field: unknown.clone(), message });
+    }
+    Ok((line, object))
 }
 
 /// Columns that hold numbers; everything else is text.
@@ -159,6 +231,10 @@ fn csv_rows(text: &str) -> Vec<Row> {
                 whole_line(line, format!("malformed CSV: {}", csv_error_kind(&e)))
             })?;
             let line = record.position().map_or(0, |p| lines.of_record_at(p.byte()));
+            // A spreadsheet's export ends in rows of empty cells: nothing, as a blank line is.
+            if record.iter().all(|cell| cell.trim().is_empty()) {
+                return Ok(None);
+            }
             let mut object = Map::new();
             for (name, cell) in headers.iter().zip(record.iter()) {
                 if cell.is_empty() {
@@ -176,8 +252,9 @@ fn csv_rows(text: &str) -> Vec<Row> {
                 object.insert(name.to_owned(), value);
             }
             fold_floor(&mut object);
-            Ok((line, object))
+            Ok(Some((line, object)))
         })
+        .filter_map(Result::transpose)
         .collect()
 }
 
@@ -339,5 +416,40 @@ not json
     fn csv_unknown_column_is_refused() {
         let board = parse("job_id,widht\nx,5\n", Format::Csv, &Limits::default());
         assert_eq!(board.errors[0].field, "widht");
+    }
+
+    const SHOT: &str = r#""job_id":"a1","project":"p","shot_id":"s1","prompt":"x","width":64,"height":64,"steps":2,"guidance":5,"seed":1"#;
+
+    #[test]
+    fn a_misspelt_json_field_is_refused_not_dropped() {
+        let line = |id: &str, extra: &str| format!("{{{},{extra}}}", SHOT.replace("a1", id));
+        let text = format!("{}\n{}\n", line("a1", r#""lora":[{"name":"mei","weight":1}]"#), line("a2", r#""image":4"#));
+        let board = parse(&text, Format::JsonLines, &Limits::default());
+        assert!(board.shots.is_empty(), "{:?}", board.shots);
+        assert_eq!((board.errors[0].line, board.errors[0].field.as_str()), (1, "lora"));
+        assert!(board.errors[0].message.contains("did you mean `loras`?"), "{}", board.errors[0].message);
+        assert_eq!((board.errors[1].line, board.errors[1].field.as_str()), (2, "image"));
+        assert!(board.errors[1].message.contains("did you mean `images`?"), "{}", board.errors[1].message);
+    }
+
+    #[test]
+    fn a_json_array_is_read_with_each_shots_line() {
+        let text = format!("[\n  {{{SHOT}}},\n  {{{}}}\n]\n", SHOT.replace("a1", "a2").replace("\"steps\":2", "\"steps\":0"));
+        let board = parse(&text, Format::detect(Path::new("board.json"), &text), &Limits::default());
+        assert_eq!(board.shots.len(), 1, "{:?}", board.errors);
+        assert_eq!(board.shots[0].line, 2);
+        assert_eq!((board.errors[0].line, board.errors[0].field.as_str()), (3, "steps"));
+        // By its first character too, after a byte order mark, whatever the file is called.
+        let bom = '\u{feff}';
+        assert_eq!(Format::detect(Path::new("board.txt"), &format!("{bom}{text}")), Format::JsonLines);
+        assert_eq!(Format::detect(Path::new("board.txt"), &format!("{bom}{{{SHOT}}}")), Format::JsonLines);
+    }
+
+    #[test]
+    fn a_spreadsheets_empty_rows_are_skipped() {
+        let text = "job_id,project,shot_id,prompt,width,height,steps,guidance,seed\r\na1,p,s1,x,64,64,2,5,1\r\n,,,,,,,,\r\n,,,,,,,,\r\n";
+        let board = parse(text, Format::Csv, &Limits::default());
+        assert!(board.errors.is_empty(), "{:?}", board.errors);
+        assert_eq!(board.shots.len(), 1);
     }
 }
