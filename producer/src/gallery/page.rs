@@ -93,13 +93,16 @@ fn facts(card: &Card) -> Vec<(&'static str, String)> {
     let job = card.job.as_ref();
     let result = card.result.as_ref();
     let mut facts = Vec::new();
-    if let Some(prompt) = job.map(|j| j.prompt.clone()).or_else(|| text("prompt")) {
+    // What a rendered image carries is what it was rendered from: a storyboard edited since (or
+    // a failed record) only fills in what the image does not say.
+    if let Some(prompt) = text("prompt").or_else(|| job.map(|j| j.prompt.clone())) {
         facts.push(("prompt", prompt));
     }
-    if let Some(negative) = job.and_then(|j| j.negative_prompt.clone()).or_else(|| text("negative_prompt")).filter(|n| !n.is_empty()) {
+    let negative = if first.is_some() { text("negative_prompt") } else { job.and_then(|j| j.negative_prompt.clone()) };
+    if let Some(negative) = negative.filter(|n| !n.is_empty()) {
         facts.push(("negative", negative));
     }
-    if let Some(seed) = job.map(|j| j.seed.to_string()).or_else(|| result.and_then(|r| r.images.first()).map(|i| i.seed.to_string())) {
+    if let Some(seed) = result.and_then(|r| r.images.first()).map(|i| i.seed.to_string()).or_else(|| job.map(|j| j.seed.to_string())) {
         facts.push(("seed", seed));
     }
     let size = result
@@ -110,10 +113,10 @@ fn facts(card: &Card) -> Vec<(&'static str, String)> {
         let images = result.map(|r| r.images.len()).filter(|n| *n > 0).or(job.map(|j| j.images as usize)).unwrap_or(1);
         facts.push(("size", format!("{size} x {images}")));
     }
-    if let Some(steps) = job.map(|j| j.steps.to_string()).or_else(|| text("steps")) {
+    if let Some(steps) = text("steps").or_else(|| job.map(|j| j.steps.to_string())) {
         facts.push(("steps", steps));
     }
-    if let Some(guidance) = job.map(|j| j.guidance.to_string()).or_else(|| text("guidance")) {
+    if let Some(guidance) = text("guidance").or_else(|| job.map(|j| j.guidance.to_string())) {
         facts.push(("guidance", guidance));
     }
     let loras = job.map_or_else(
@@ -167,6 +170,23 @@ mod tests {
     #[test]
     fn text_from_a_storyboard_cannot_become_markup() {
         assert_eq!(escape(r#"<img src=x onerror="a('b')"> & co"#), "&lt;img src=x onerror=&quot;a(&#39;b&#39;)&quot;&gt; &amp; co");
+    }
+
+    #[test]
+    fn a_rendered_shot_shows_what_it_was_rendered_from_not_an_edited_board() {
+        let edited: shotfleet_schema::ShotJob = serde_json::from_value(serde_json::json!({
+            "v": 1, "job_id": "j1", "project": "tide", "shot_id": "s1", "prompt": "a red submarine",
+            "width": 64, "height": 64, "steps": 9, "guidance": 5.0, "seed": 1
+        }))
+        .unwrap();
+        let text = [("prompt", "a lighthouse, at dawn"), ("steps", "30"), ("guidance", "6")].map(|(k, v)| (k.to_owned(), v.to_owned()));
+        let thumb = crate::gallery::thumb::Thumb { data_uri: String::new(), width: 64, height: 64, text: text.into_iter().collect() };
+        let card = Card { job_id: "j1".into(), shot_id: "s1".into(), status: Status::Done, result: None, job: Some(edited.clone()), thumbs: vec![Ok(thumb)] };
+        let shown = facts(&card);
+        assert!(shown.contains(&("prompt", "a lighthouse, at dawn".into())) && shown.contains(&("steps", "30".into())), "{shown:?}");
+        // Without an image the board says what the shot is.
+        let waiting = Card { thumbs: vec![], status: Status::Waiting, ..card };
+        assert!(facts(&waiting).contains(&("prompt", "a red submarine".into())));
     }
 
     #[test]
