@@ -257,6 +257,8 @@ pub async fn follow(js: &jetstream::Context, jobs: Vec<Placed>, live: Arc<Mutex<
     let js = js.clone();
     let task = tokio::spawn(async move {
         let mut tick = tokio::time::interval(POSITIONS_EVERY);
+        // Off a terminal the line is printed when it changes, not at every tick (a log fills).
+        let mut printed = String::new();
         loop {
             tokio::select! {
                 Some(message) = events.next() => {
@@ -273,8 +275,9 @@ pub async fn follow(js: &jetstream::Context, jobs: Vec<Placed>, live: Arc<Mutex<
                     let found = positions(&js, &waiting).await;
                     let mut live = lock(&live);
                     live.positions(&found);
-                    if let Some(line) = live.waiting_line() {
+                    if let Some(line) = live.waiting_line().filter(|line| *line != printed) {
                         eprintln!("{line}");
+                        printed = line;
                     }
                 }
             }

@@ -719,6 +719,15 @@ async fn cancel_jobs(options: &NatsOptions, args: CancelArgs) -> Result<u8, Fail
         "{} cancelled, {} already finished, {problems} unknown or not cancelled (answered by {})",
         tally.cancelled, tally.already_finished, reply.worker
     );
+    // A shot or project with nothing unfinished is named, as an unknown job is: likely a slip.
+    if reply.jobs.is_empty() && reply.omitted == 0 {
+        let what = match &target.which {
+            Selection::Shot(shot) => format!("shot `{shot}` of project `{}`", target.project),
+            _ => format!("project `{}`", target.project),
+        };
+        eprintln!("shotfleet: no unfinished job of {what} is queued or running");
+        return Ok(1);
+    }
     Ok(if problems > 0 { 1 } else { 0 })
 }
 

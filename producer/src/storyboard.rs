@@ -75,9 +75,14 @@ impl Format {
 pub fn read(path: &Path, limits: &Limits) -> std::io::Result<Storyboard> {
     let bytes = std::fs::read(path)?;
     let text = String::from_utf8(bytes).map_err(|e| {
+        let at = e.utf8_error().valid_up_to();
+        let bytes = e.as_bytes();
+        let line = bytes[..at].iter().filter(|&&b| b == b'\n').count() + 1;
+        let utf16 = bytes.starts_with(&[0xff, 0xfe]) || bytes.starts_with(&[0xfe, 0xff]);
+        let was = if utf16 { "UTF-16 (\"Unicode text\")" } else { "another encoding (Windows-1252 or Latin-1?)" };
         std::io::Error::new(
             std::io::ErrorKind::InvalidData,
-            format!("{} is not UTF-8 (byte {} is invalid)", path.display(), e.utf8_error().valid_up_to()),
+            format!("line {line}: not UTF-8 text (byte {at}); it looks like {was}: save it as UTF-8 (\"CSV UTF-8\" in a spreadsheet)"),
         )
     })?;
     Ok(parse(&text, Format::detect(path, &text), limits))
@@ -206,12 +211,26 @@ const NUMERIC_COLUMNS: [&str; 9] =
     ["v", "width", "height", "steps", "guidance", "seed", "images", "floor_min_side", "floor_min_steps"];
 const TEXT_COLUMNS: [&str; 7] = ["job_id", "project", "shot_id", "prompt", "negative_prompt", "priority", "loras"];
 
+/// The header line's separator: a comma, or the semicolon (a European spreadsheet's export) or
+/// tab that the header is split by instead.
+fn delimiter(text: &str) -> u8 {
+    let header = text.lines().next().unwrap_or_default();
+    [b',', b';', b'\t'].into_iter().max_by_key(|d| header.bytes().filter(|b| b == d).count()).unwrap_or(b',')
+}
+
 fn csv_rows(text: &str) -> Vec<Row> {
-    let mut reader = csv::ReaderBuilder::new().flexible(false).trim(csv::Trim::Headers).from_reader(text.as_bytes());
+    let mut reader =
+        csv::ReaderBuilder::new().flexible(false).delimiter(delimiter(text)).trim(csv::Trim::All).from_reader(text.as_bytes());
     let headers = match reader.headers() {
         Ok(h) => h.clone(),
         Err(e) => return vec![Err(whole_line(1, format!("cannot read the CSV header: {e}")))],
     };
+    if let Some((i, _)) = headers.iter().enumerate().find(|(i, h)| headers.iter().take(*i).any(|earlier| earlier == *h)) {
+        return vec![Err(LineError { line: 1, field: headers[i].to_owned(), message: "this column is in the header twice".into() })];
+    }
+    if let Some(blank) = headers.iter().position(str::is_empty) {
+        return vec![Err(whole_line(1, format!("column {} of the header is empty (a trailing separator?)", blank + 1)))];
+    }
     if let Some(unknown) = headers.iter().find(|h| !NUMERIC_COLUMNS.contains(h) && !TEXT_COLUMNS.contains(h)) {
         return vec![Err(LineError {
             line: 1,
@@ -241,9 +260,7 @@ fn csv_rows(text: &str) -> Vec<Row> {
                     continue;
                 }
                 let value = if NUMERIC_COLUMNS.contains(&name) {
-                    serde_json::from_str::<serde_json::Number>(cell.trim())
-                        .map(Value::Number)
-                        .unwrap_or_else(|_| Value::String(cell.to_owned()))
+                    number_cell(line, name, cell)?
                 } else if name == "loras" {
                     loras_cell(line, cell)?
                 } else {
@@ -256,6 +273,27 @@ fn csv_rows(text: &str) -> Vec<Row> {
         })
         .filter_map(Result::transpose)
         .collect()
+}
+
+/// A number column's cell as a spreadsheet writes it: `30.0` where a whole number is meant is
+/// that number, and a thousands separator (`1,024`) or text is said to be one.
+fn number_cell(line: usize, name: &str, cell: &str) -> Result<Value, LineError> {
+    let cell = cell.trim();
+    let refused = |message: String| LineError { line, field: name.to_owned(), message };
+    let number: serde_json::Number = serde_json::from_str(cell).map_err(|_| {
+        let hint = if cell.contains(',') { " (write it without a thousands separator)" } else { "" };
+        refused(format!("`{cell}` is not a number{hint}"))
+    })?;
+    if name == "guidance" {
+        return Ok(Value::Number(number));
+    }
+    match number.as_f64() {
+        Some(whole) if !number.is_u64() && whole.fract() == 0.0 && (0.0..9.0e15).contains(&whole) => Ok(Value::from(whole as u64)),
+        Some(whole) if !number.is_u64() && !number.is_i64() => {
+            Err(refused(format!("`{cell}` is {}", if whole.fract() == 0.0 { "too large" } else { "not a whole number" })))
+        }
+        _ => Ok(Value::Number(number)),
+    }
 }
 
 /// Line numbers of a CSV file's records, counted on from the last one asked (the records come
@@ -305,10 +343,10 @@ fn loras_cell(line: usize, cell: &str) -> Result<Value, LineError> {
         .filter(|s| !s.is_empty())
         .map(|item| {
             let (name, weight) = item.rsplit_once(':').unwrap_or((item, "1"));
-            let weight: f64 = weight.trim().parse().map_err(|_| LineError {
+            let weight: f64 = weight.trim().parse().ok().filter(|w: &f64| w.is_finite()).ok_or_else(|| LineError {
                 line,
                 field: "loras".into(),
-                message: format!("`{item}`: weight `{weight}` is not a number (write name:weight;name:weight)"),
+                message: format!("`{item}`: weight `{weight}` is not a finite number (write name:weight;name:weight)"),
             })?;
             Ok(serde_json::json!({ "name": name.trim(), "weight": weight }))
         })
@@ -443,6 +481,24 @@ not json
         let bom = '\u{feff}';
         assert_eq!(Format::detect(Path::new("board.txt"), &format!("{bom}{text}")), Format::JsonLines);
         assert_eq!(Format::detect(Path::new("board.txt"), &format!("{bom}{{{SHOT}}}")), Format::JsonLines);
+    }
+
+    #[test]
+    fn a_spreadsheets_cells_are_read_as_a_person_wrote_them() {
+        let header = "job_id;project;shot_id;prompt;width;height;steps;guidance;seed;priority;loras";
+        let text = format!("{header}\na1; p ;s1;x;64;64;30.0;5.5;1; p0 ;\na2;p;s2;x;\"1,024\";64;2;5;1;p1;\na3;p;s3;x;64;64;2.5;5;1;p1;mei:nan\n");
+        let board = parse(&text, Format::Csv, &Limits::default());
+        assert_eq!(board.shots.len(), 1, "{:?}", board.errors);
+        let shot = &board.shots[0];
+        assert_eq!((shot.job.project.as_str(), shot.job.steps, shot.priority), ("p", 30, Priority::P0));
+        assert_eq!((board.errors[0].line, board.errors[0].field.as_str()), (3, "width"));
+        assert!(board.errors[0].message.contains("without a thousands separator"), "{}", board.errors[0].message);
+        assert_eq!((board.errors[1].line, board.errors[1].field.as_str()), (4, "steps"));
+        assert!(board.errors[1].message.contains("not a whole number"), "{}", board.errors[1].message);
+        let twice = parse("job_id,width,width\na,64,64\n", Format::Csv, &Limits::default());
+        assert!(twice.errors[0].message.contains("in the header twice"), "{:?}", twice.errors);
+        let trailing = parse("job_id,project,\na,p,\n", Format::Csv, &Limits::default());
+        assert!(trailing.errors[0].message.contains("column 3 of the header is empty"), "{:?}", trailing.errors);
     }
 
     #[test]

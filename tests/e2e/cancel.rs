@@ -112,4 +112,8 @@ async fn a_request_that_does_not_say_which_jobs_cancels_nothing() {
     for id in ["cz-1", "cz-2"] {
         assert_eq!(last_outcome(js, "cz", id).await.status, ResultStatus::Cancelled, "{id}");
     }
+    // A shot with nothing unfinished is said to be so, as an unknown job is.
+    let out = shotfleet(&fleet.url(), &["cancel", "--project", "cz", "--shot", "no-such-shot"]).await;
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert!(text(&out).contains("no unfinished job of shot `no-such-shot`"), "{}", text(&out));
 }
