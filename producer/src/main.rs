@@ -527,14 +527,22 @@ async fn submit_file(options: &NatsOptions, args: SubmitArgs) -> Result<u8, Fail
     placed.sort_by_key(|p| order.get(p.job_id.as_str()).copied());
     let shown = std::sync::Arc::new(std::sync::Mutex::new(live::Live::new(&placed, terminal)));
     let _following = live::follow(&js, placed, shown.clone()).await.map_err(|e| server(anyhow::anyhow!(e)))?;
-    let outcomes = wait::wait(&js, &awaited, since, args.timeout, |job, outcome| {
+    let waited = wait::wait(&js, &awaited, since, args.timeout, |job, outcome| {
         progress.iter().for_each(Progress::inc);
         shown.lock().unwrap_or_else(std::sync::PoisonError::into_inner).finished(job, outcome);
     })
-    .await
-    .map_err(server)?;
+    .await;
     shown.lock().unwrap_or_else(std::sync::PoisonError::into_inner).finish();
     progress.iter().for_each(Progress::finish);
+    let outcomes = match waited {
+        Ok(outcomes) => outcomes,
+        // What did finish is shown before the jobs still waiting are named (exit 3).
+        Err(wait::WaitError::TimedOut { after, pending, so_far }) => {
+            print_table(&board.shots, &so_far);
+            return Err(server(wait::WaitError::TimedOut { after, pending, so_far: Default::default() }));
+        }
+        Err(e) => return Err(server(e)),
+    };
     print_table(&board.shots, &outcomes);
     // A cancelled job ended as someone asked: not a failure.
     let failed = outcomes.values().filter(|o| matches!(o, Outcome::Failed { reason, .. } if reason != "cancelled")).count();
@@ -543,7 +551,7 @@ async fn submit_file(options: &NatsOptions, args: SubmitArgs) -> Result<u8, Fail
 
 fn print_table(shots: &[storyboard::Shot], outcomes: &std::collections::HashMap<String, Outcome>) {
     println!("{:<24} {:<12} {:<4} {:<9} {:>6} {:>9}  detail", "job", "shot", "prio", "status", "images", "render_s");
-    let (mut done, mut degraded, mut failed, mut cancelled) = (0, 0, 0, 0);
+    let (mut done, mut degraded, mut failed, mut cancelled, mut waiting) = (0, 0, 0, 0, 0);
     for shot in shots {
         let job = &shot.job;
         let (status, images, render, detail) = match outcomes.get(&job.job_id) {
@@ -566,11 +574,15 @@ fn print_table(shots: &[storyboard::Shot], outcomes: &std::collections::HashMap<
                 failed += 1;
                 ("failed", "-".into(), "-".into(), format!("{reason}: {detail}"))
             }
-            None => ("unknown", "-".into(), "-".into(), String::new()),
+            None => {
+                waiting += 1;
+                ("waiting", "-".into(), "-".into(), "no outcome yet".to_owned())
+            }
         };
         println!("{:<24} {:<12} {:<4} {:<9} {:>6} {:>9}  {detail}", job.job_id, job.shot_id, shot.priority, status, images, render);
     }
-    println!("{done} done, {degraded} degraded, {failed} failed, {cancelled} cancelled");
+    let still = if waiting > 0 { format!(", {waiting} still waiting") } else { String::new() };
+    println!("{done} done, {degraded} degraded, {failed} failed, {cancelled} cancelled{still}");
     print_waits(shots, outcomes);
 }
 

@@ -47,8 +47,20 @@ pub struct Awaited {
 pub enum WaitError {
     #[error("cannot follow {what}: {detail}")]
     Follow { what: String, detail: String },
-    #[error("gave up after {0:?}: {1} of the jobs have no result or failed record yet")]
-    TimedOut(Duration, usize),
+    #[error("gave up after {after:?}: {} of the jobs have no result or failed record yet ({})", pending.len(), listed(pending))]
+    TimedOut {
+        after: Duration,
+        /// The jobs without an outcome.
+        pending: Vec<String>,
+        /// The outcomes that did arrive.
+        so_far: HashMap<String, Outcome>,
+    },
+}
+
+/// The first few ids, for a message.
+fn listed(ids: &[String]) -> String {
+    let more = if ids.len() > 10 { format!(", and {} more", ids.len() - 10) } else { String::new() };
+    format!("{}{more}", ids.iter().take(10).cloned().collect::<Vec<_>>().join(", "))
 }
 
 /// Follows results and failed records until every job in `jobs` has an outcome.
@@ -96,7 +108,9 @@ pub async fn wait(
             Some(deadline) => match tokio::time::timeout_at(deadline, messages.next()).await {
                 Ok(next) => next,
                 Err(_) => {
-                    return Err(WaitError::TimedOut(timeout.unwrap_or_default(), wanted.len() - done.len()));
+                    let mut pending: Vec<String> = wanted.keys().filter(|id| !done.contains(**id)).map(|id| (*id).to_owned()).collect();
+                    pending.sort();
+                    return Err(WaitError::TimedOut { after: timeout.unwrap_or_default(), pending, so_far: outcomes });
                 }
             },
             None => messages.next().await,

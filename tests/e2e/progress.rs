@@ -170,3 +170,21 @@ async fn a_wait_reads_stored_outcomes_through_before_a_failure_stands() {
     let ended = shotfleet_producer::wait::wait(&js, &awaited, std::time::SystemTime::now(), Some(Duration::from_secs(10)), |_, _| {}).await.unwrap();
     assert!(matches!(ended["rr-1"], shotfleet_producer::wait::Outcome::Done(_)), "{:?}", ended["rr-1"]);
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_wait_that_times_out_shows_what_finished_and_names_what_did_not() {
+    let fleet = OneWorker::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let board = dir.path().join("board.jsonl");
+    // One job the worker renders, one of a class it does not hold (it waits past the timeout).
+    let line = |id: &str, side: u32| {
+        format!(r#"{{"job_id":"{id}","project":"tw","shot_id":"{id}","prompt":"a boat","width":{side},"height":{side},"steps":2,"guidance":5,"seed":1}}"#)
+    };
+    std::fs::write(&board, format!("{}\n{}\n", line("tw-small", 64), line("tw-xl", 1600))).unwrap();
+    let out = shotfleet(&fleet.url(), &["submit", board.to_str().unwrap(), "--wait", "--timeout", "8s"]).await;
+    let said = text(&out);
+    assert_eq!(out.status.code(), Some(3), "{said}");
+    assert!(said.lines().any(|l| l.starts_with("tw-small") && l.contains(" done ")), "{said}");
+    assert!(said.lines().any(|l| l.starts_with("tw-xl") && l.contains(" waiting ")), "{said}");
+    assert!(said.contains("1 of the jobs have no result or failed record yet (tw-xl)"), "{said}");
+}
