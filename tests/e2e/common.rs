@@ -238,6 +238,11 @@ impl Worker {
         self.process.kill();
     }
 
+    /// Sends `signal` (`TERM`, `INT`) without waiting.
+    pub fn signal(&self, signal: &str) {
+        self.process.signal(signal);
+    }
+
     /// SIGTERM and wait for the exit code.
     pub fn terminate(&mut self, timeout: Duration) -> Option<i32> {
         self.process.terminate(timeout)

@@ -504,3 +504,61 @@ async fn a_second_worker_under_a_live_workers_id_says_so() {
     let third = Worker::start(&server.url(), WorkerSpec::new("other", store.path()));
     assert!(!third.log().contains("another live worker answers"), "{}", third.log());
 }
+
+/// Through a stop: `/healthz` and `/metrics` serve through the drain, `/readyz` says draining,
+/// and a second SIGTERM gives the job back at once rather than after the grace period; the job
+/// renders on the next worker, once.
+#[tokio::test]
+async fn a_draining_worker_stays_observable_and_a_second_signal_hurries_it() {
+    let server = NatsServer::start();
+    let js = jetstream_with(&server.url(), &Topology::default()).await;
+    let store = tempfile::tempdir().unwrap();
+    let mut spec = WorkerSpec::new("drain", store.path());
+    spec.grace = "60s";
+    let mut worker = Worker::start(&server.url(), spec);
+    let long = shot(Priority::P1, job("drain-long", "acme", (128, 128), 150, 4));
+    submit(&js, std::slice::from_ref(&long)).await;
+    wait_in_flight(&js, "render-p1-xs").await;
+    worker.signal("TERM");
+    let port = worker.metrics_port;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !worker.log().contains("stopping: finishing in-flight jobs") {
+        assert!(Instant::now() < deadline, "{}", worker.log());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let get = |path: &str| shotfleet_testkit::process::http_get(port, path).map(|(code, _)| code);
+    assert_eq!((get("/healthz"), get("/metrics"), get("/readyz")), (Some(200), Some(200), Some(503)), "{}", worker.log());
+    let signalled = Instant::now();
+    worker.signal("TERM");
+    let status = worker.wait_exit(Duration::from_secs(20)).expect("the worker exits on the second signal");
+    assert!(status.success() && signalled.elapsed() < Duration::from_secs(15), "{:?} after {:?}", status, signalled.elapsed());
+    assert!(worker.log().contains("signalled again"), "{}", worker.log());
+    let _next = Worker::start(&server.url(), WorkerSpec::new("after-drain", store.path()));
+    assert!(matches!(&outcomes(&js, &[long], Duration::from_secs(120)).await["drain-long"], shotfleet_producer::wait::Outcome::Done(_)));
+}
+
+/// A worker cut off from NATS is not ready, and ready again once the server is back.
+#[tokio::test]
+async fn readiness_follows_the_nats_connection() {
+    let mut server = NatsServer::start();
+    let _js = jetstream_with(&server.url(), &Topology::default()).await;
+    let store = tempfile::tempdir().unwrap();
+    let worker = Worker::start(&server.url(), WorkerSpec::new("cut-off", store.path()));
+    let readyz = || shotfleet_testkit::process::http_get(worker.metrics_port, "/readyz");
+    let until = |want: u16, what: &str| {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let got = readyz();
+            if got.as_ref().is_some_and(|(code, _)| *code == want) {
+                return got.unwrap().1;
+            }
+            assert!(Instant::now() < deadline, "{what}: /readyz says {got:?}");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    };
+    server.stop();
+    let body = until(503, "with the server stopped");
+    assert!(body.contains("disconnected from NATS"), "{body}");
+    server.restart();
+    until(200, "with the server back");
+}
