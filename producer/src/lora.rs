@@ -91,17 +91,7 @@ impl Library {
         let (store, base): (Arc<dyn ObjectStore>, &str) = match url.scheme() {
             "file" => {
                 let root = url.to_file_path().map_err(|()| bad("is not an absolute local path".into()))?;
-                // As a worker does with its store: made only inside a folder that exists, so a
-                // slip in the path is refused rather than filled with a library nobody reads.
-                if !root.is_dir() {
-                    std::fs::create_dir(&root).map_err(|e| match e.kind() {
-                        std::io::ErrorKind::NotFound => bad(format!(
-                            "its parent folder {} does not exist (a slip in the path?); give the workers' store",
-                            root.parent().map(|p| p.display().to_string()).unwrap_or_default()
-                        )),
-                        _ => bad(format!("cannot create the folder: {e}")),
-                    })?;
-                }
+                shotfleet_schema::store::make_folder(&root).map_err(|e| bad(format!("the folder: {e}")))?;
                 (Arc::new(LocalFileSystem::new_with_prefix(&root).map_err(|e| bad(e.to_string()))?), "")
             }
             "s3" => {

@@ -717,15 +717,7 @@ async fn cancel_jobs(options: &NatsOptions, args: CancelArgs) -> Result<u8, Fail
         println!("... and {} more, not listed", reply.omitted);
     }
     // The tally counts the jobs not listed too (a worker before it sends none: count the list).
-    let tally = reply.tally.unwrap_or_else(|| {
-        let count = |result| u32::try_from(reply.jobs.iter().filter(|j| j.result == result).count()).unwrap_or(u32::MAX);
-        shotfleet_schema::cancel::CancelTally {
-            cancelled: count(shotfleet_schema::CancelResult::Cancelled),
-            already_finished: count(shotfleet_schema::CancelResult::AlreadyFinished),
-            unknown: count(shotfleet_schema::CancelResult::Unknown),
-            failed: count(shotfleet_schema::CancelResult::Failed),
-        }
-    });
+    let tally = reply.tally.unwrap_or_else(|| shotfleet_schema::cancel::CancelTally::of(&reply.jobs));
     let problems = tally.unknown + tally.failed;
     println!(
         "{} cancelled, {} already finished, {problems} unknown or not cancelled (answered by {})",

@@ -142,39 +142,19 @@ fn json_rows(text: &str) -> Vec<Row> {
 
 /// The objects of a JSON array, each named by the line it starts on.
 fn json_array_rows(text: &str) -> Vec<Row> {
-    let line_of = |offset: usize| text[..offset.min(text.len())].matches('\n').count() + 1;
-    let values: Vec<Value> = match serde_json::from_str(text) {
-        Ok(values) => values,
+    // Raw elements borrow the text, so where each starts is where its slice starts.
+    let elements: Vec<&serde_json::value::RawValue> = match serde_json::from_str(text) {
+        Ok(elements) => elements,
         Err(e) => return vec![Err(whole_line(e.line(), format!("not a valid JSON array of shots: {e}")))],
     };
-    // Where each top-level object starts: serde_json keeps no offsets, so find them by
-    // scanning the text the way JSON nests (strings skipped).
-    let mut starts = Vec::new();
-    let (mut depth, mut in_string, mut escaped) = (0usize, false, false);
-    for (at, c) in text.char_indices() {
-        match (in_string, c) {
-            (true, _) if escaped => escaped = false,
-            (true, '\\') => escaped = true,
-            (true, '"') => in_string = false,
-            (true, _) => {}
-            (false, '"') => in_string = true,
-            (false, '[' | '{') => {
-                if depth == 1 && c == '{' {
-                    starts.push(at);
-                }
-                depth += 1;
-            }
-            (false, ']' | '}') => depth = depth.saturating_sub(1),
-            _ => {}
-        }
-    }
-    values
+    elements
         .into_iter()
         .enumerate()
-        .map(|(i, value)| {
-            let line = starts.get(i).map_or(1, |&at| line_of(at));
-            match value {
-                Value::Object(object) => known_fields(line, object),
+        .map(|(i, raw)| {
+            let at = raw.get().as_ptr() as usize - text.as_ptr() as usize;
+            let line = text[..at].matches('\n').count() + 1;
+            match serde_json::from_str(raw.get()) {
+                Ok(Value::Object(object)) => known_fields(line, object),
                 _ => Err(whole_line(line, format!("element {} of the array is not a JSON object", i + 1))),
             }
         })
@@ -191,11 +171,8 @@ const JSON_FIELDS: [&str; 15] = [
 /// `negativ_prompt`) would else be dropped and the shot rendered without it, unsaid.
 fn known_fields(line: usize, object: Map<String, Value>) -> Row {
     if let Some(unknown) = object.keys().find(|k| !JSON_FIELDS.contains(&k.as_str())) {
-        let near = JSON_FIELDS.iter().copied().min_by_key(|known| strsim::levenshtein(&unknown.to_lowercase(), known));
-        let hint = near
-            .filter(|known| strsim::levenshtein(&unknown.to_lowercase(), known) <= 2)
-            .map(|known| format!("did you mean `{known}`? "))
-            .unwrap_or_default();
+        let near = JSON_FIELDS.iter().map(|known| (strsim::levenshtein(&unknown.to_lowercase(), known), known)).min_by_key(|(distance, _)| *distance);
+        let hint = near.filter(|(distance, _)| *distance <= 2).map(|(_, known)| format!("did you mean `{known}`? ")).unwrap_or_default();
         let message = if unknown == "degrade" {
             "set by workers only: leave it out".to_owned()
         } else {

@@ -79,27 +79,28 @@ pub async fn wait(
     let wanted: HashMap<&str, &Awaited> = jobs.iter().map(|j| (j.job_id.as_str(), j)).collect();
     let projects: BTreeSet<&str> = jobs.iter().map(|j| j.project.as_str()).collect();
     let mut feeds = Vec::new();
-    // The feeds still delivering what was stored before the wait began: a failure read from
-    // them may be followed by a later result of the same job (a replay), so the wait does not
-    // end on a failure before they are read through.
-    let mut behind: HashSet<String> = HashSet::new();
+    // The feeds (by index) still delivering what was stored before the wait began: a failure
+    // read from them may be followed by a later result of the same job (a replay), so the wait
+    // does not end on a failure before they are read through.
+    let mut behind: HashSet<usize> = HashSet::new();
     for project in projects {
         for (stream, filter) in [
             (subject::RESULTS_STREAM, format!("{}.done.{project}.*", subject::ROOT)),
             (subject::FAILED_STREAM, format!("{}.failed.*.{project}", subject::ROOT)),
         ] {
             let (messages, pending) = follow_counted(js, stream, filter, consumer::DeliverPolicy::All).await?;
+            let feed = feeds.len();
             if pending > 0 {
-                behind.insert(feed_of(stream, project));
+                behind.insert(feed);
             }
-            feeds.push(messages);
+            feeds.push(messages.map(move |message| (feed, message)));
         }
     }
     let mut messages = futures::stream::select_all(feeds);
     let mut outcomes: HashMap<String, Outcome> = HashMap::new();
     let mut done: HashSet<String> = HashSet::new();
     let deadline = timeout.map(|t| tokio::time::Instant::now() + t);
-    let settled = |done: &HashSet<String>, outcomes: &HashMap<String, Outcome>, behind: &HashSet<String>| {
+    let settled = |done: &HashSet<String>, outcomes: &HashMap<String, Outcome>, behind: &HashSet<usize>| {
         done.len() >= wanted.len() && (behind.is_empty() || !outcomes.values().any(Outcome::is_failed))
     };
 
@@ -115,10 +116,10 @@ pub async fn wait(
             },
             None => messages.next().await,
         };
-        let Some(message) = next else { break };
+        let Some((feed, message)) = next else { break };
         let Ok(message) = message else { continue };
         if message.info().is_ok_and(|info| info.pending == 0) {
-            behind.retain(|feed| !feed_matches(feed, &message.subject));
+            behind.remove(&feed);
         }
         let Some((job_id, outcome)) = read_outcome(&message, &wanted, since) else { continue };
         // A result is final; a failure stands only until a result arrives, and is told once
@@ -133,22 +134,6 @@ pub async fn wait(
         outcomes.insert(job_id, outcome);
     }
     Ok(outcomes)
-}
-
-/// A feed's name: its stream and project.
-fn feed_of(stream: &str, project: &str) -> String {
-    format!("{stream}/{project}")
-}
-
-/// Whether `message_subject` (`shots.done.<project>.<job>`, `shots.failed.<prio>.<project>`)
-/// came through `feed`.
-fn feed_matches(feed: &str, message_subject: &str) -> bool {
-    let parts: Vec<&str> = message_subject.split('.').collect();
-    match parts[..] {
-        [_, "done", project, _] => feed == feed_of(subject::RESULTS_STREAM, project),
-        [_, "failed", _, project] => feed == feed_of(subject::FAILED_STREAM, project),
-        _ => false,
-    }
 }
 
 /// An ordered consumer over one stream and filter, from `deliver` on. Retried for a while:

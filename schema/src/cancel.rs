@@ -131,11 +131,11 @@ pub struct CancelTally {
     pub failed: u32,
 }
 
-impl CancelReply {
-    /// The reply listing `jobs` (the first [`MAX_LISTED`]), with their tally.
-    pub fn with_jobs(v: u32, worker: String, mut jobs: Vec<CancelledJob>) -> Self {
+impl CancelTally {
+    /// How many of `jobs` ended each way.
+    pub fn of(jobs: &[CancelledJob]) -> Self {
         let mut tally = CancelTally::default();
-        for job in &jobs {
+        for job in jobs {
             *match job.result {
                 CancelResult::Cancelled => &mut tally.cancelled,
                 CancelResult::AlreadyFinished => &mut tally.already_finished,
@@ -143,6 +143,14 @@ impl CancelReply {
                 CancelResult::Failed => &mut tally.failed,
             } += 1;
         }
+        tally
+    }
+}
+
+impl CancelReply {
+    /// The reply listing `jobs` (the first [`MAX_LISTED`]), with their tally.
+    pub fn with_jobs(v: u32, worker: String, mut jobs: Vec<CancelledJob>) -> Self {
+        let tally = CancelTally::of(&jobs);
         let omitted = u32::try_from(jobs.len().saturating_sub(MAX_LISTED)).unwrap_or(u32::MAX);
         jobs.truncate(MAX_LISTED);
         Self { v, worker, jobs, omitted, tally: Some(tally), error: None }

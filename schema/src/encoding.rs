@@ -46,6 +46,14 @@ impl ContentType {
         }
     }
 
+    /// The other format: the one a payload sent under this one's name may really be.
+    pub const fn other(self) -> Self {
+        match self {
+            Self::Json => Self::MessagePack,
+            Self::MessagePack => Self::Json,
+        }
+    }
+
     /// Reads the header value; `None` (no header) means JSON. Parameters such as
     /// `; charset=utf-8` are ignored, and `application/x-msgpack` is accepted as an alias.
     ///
@@ -206,13 +214,20 @@ fn parse<T: DeserializeOwned>(content_type: ContentType, payload: &[u8], rest: R
         detail: format!("{bytes} byte(s) follow the value; send one value per message"),
     };
     // Each format, sent under the other's name, is said to be so.
-    let misnamed = |error: DecodeError, other: ContentType, header: &str| match error {
-        DecodeError::Malformed { format, path, detail } if starts_as_map(other, payload) => DecodeError::Malformed {
-            format,
-            path,
-            detail: format!("{detail} (this looks like {}: send it with `{HEADER}: {header}`)", other.name()),
-        },
-        error => error,
+    let misnamed = |error: DecodeError| {
+        let other = content_type.other();
+        let header = match other {
+            ContentType::Json => "application/json (or none)",
+            ContentType::MessagePack => other.as_str(),
+        };
+        match error {
+            DecodeError::Malformed { format, path, detail } if starts_as_map(other, payload) => DecodeError::Malformed {
+                format,
+                path,
+                detail: format!("{detail} (this looks like {}: send it with `{HEADER}: {header}`)", other.name()),
+            },
+            error => error,
+        }
     };
     match content_type {
         ContentType::Json => {
@@ -221,7 +236,7 @@ fn parse<T: DeserializeOwned>(content_type: ContentType, payload: &[u8], rest: R
             }
             let mut de = serde_json::Deserializer::from_slice(payload);
             let value = serde_path_to_error::deserialize(&mut de)
-                .map_err(|e| misnamed(malformed(content_type, e), ContentType::MessagePack, ContentType::MessagePack.as_str()))?;
+                .map_err(|e| misnamed(malformed(content_type, e)))?;
             if rest == Rest::Refused {
                 de.end().map_err(|e| DecodeError::Malformed { format: content_type.name(), path: ".".into(), detail: e.to_string() })?;
             }
@@ -233,7 +248,7 @@ fn parse<T: DeserializeOwned>(content_type: ContentType, payload: &[u8], rest: R
                 let mut de = rmp_serde::Deserializer::new(&mut unread);
                 de.set_max_depth(MAX_MSGPACK_DEPTH);
                 serde_path_to_error::deserialize(&mut de)
-                    .map_err(|e| misnamed(malformed(content_type, e), ContentType::Json, "application/json (or none)"))?
+                    .map_err(|e| misnamed(malformed(content_type, e)))?
             };
             if rest == Rest::Refused && !unread.is_empty() {
                 return Err(after(unread.len()));
@@ -272,12 +287,10 @@ fn starts_as_map(content_type: ContentType, payload: &[u8]) -> bool {
 /// Whether a job payload is a map, or something [`decode`] names better (an empty or oversized
 /// payload, a byte order mark, one format sent under the other's name).
 fn is_a_map(content_type: ContentType, payload: &[u8]) -> bool {
-    let other = match content_type {
-        ContentType::Json => ContentType::MessagePack,
-        ContentType::MessagePack => ContentType::Json,
-    };
-    let named_by_decode =
-        payload.is_empty() || payload.len() > MAX_PAYLOAD_BYTES || payload.starts_with(BOM) || starts_as_map(other, payload);
+    let named_by_decode = payload.is_empty()
+        || payload.len() > MAX_PAYLOAD_BYTES
+        || payload.starts_with(BOM)
+        || starts_as_map(content_type.other(), payload);
     named_by_decode || starts_as_map(content_type, payload)
 }
 

@@ -14,6 +14,7 @@
 //! - [`cancel`]: cancel requests and their replies.
 //! - [`names`]: wire enums' names, lists and parse messages.
 //! - [`json_schema`]: the JSON Schema other languages can validate against.
+//! - [`store`]: a `file://` store's folder, as the workers and the CLI open it.
 //! - `nats` (feature `nats`): connecting, and creating the streams and consumers both sides use.
 //! - `lora` (feature `lora`): LoRA files (formats, checks) and the LoRA library's layout, which
 //!   `shotfleet lora push` and the workers share.
@@ -31,6 +32,7 @@ pub mod lora;
 #[cfg(feature = "nats")]
 pub mod nats;
 pub mod result;
+pub mod store;
 pub mod subject;
 pub mod validate;
 

@@ -94,9 +94,7 @@ impl Limits {
         }
         Ok(())
     }
-}
 
-impl Limits {
     /// What is wrong with a render of `images` images of `width` x `height` under these bounds
     /// (a worker's calibration shapes are checked as a job's size would be), if anything.
     pub fn shape_problem(&self, width: u32, height: u32, images: u32) -> Option<String> {

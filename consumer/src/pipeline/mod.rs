@@ -389,11 +389,16 @@ pub struct ModelInfo {
 }
 
 impl ModelInfo {
-    /// What is wrong with an image of `width` x `height` for this model, if anything: its
-    /// sides must be positive multiples of [`side_multiple`](Self::side_multiple).
+    /// Whether this model renders an image side of `side` pixels: a positive multiple of
+    /// [`side_multiple`](Self::side_multiple).
+    pub fn renders_side(&self, side: u32) -> bool {
+        side > 0 && side.is_multiple_of(self.side_multiple)
+    }
+
+    /// What is wrong with an image of `width` x `height` for this model, if anything.
     pub fn size_problem(&self, width: u32, height: u32) -> Option<String> {
         let (f, m) = (self.vae_scale_factor, self.side_multiple);
-        if width > 0 && height > 0 && width.is_multiple_of(m) && height.is_multiple_of(m) {
+        if self.renders_side(width) && self.renders_side(height) {
             return None;
         }
         let near = |side: u32| (side / m * m).max(m);

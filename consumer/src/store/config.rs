@@ -74,7 +74,6 @@ pub enum Location {
     Bucket { bucket: String, prefix: Path },
 }
 
-/// A store ready to use: the client, the key prefix inside it, and a description for messages.
 /// A `file://` store's folder as it was opened: the same folder, not only one at the same path,
 /// must be there at each put. A share's mount point stays behind when the share is unmounted,
 /// an empty folder on the local disk; its device and inode tell it from the share's root.
@@ -107,6 +106,7 @@ impl LocalRoot {
     }
 }
 
+/// A store ready to use: the client, the key prefix inside it, and a description for messages.
 pub(crate) struct Opened {
     pub inner: Arc<dyn ObjectStore>,
     pub prefix: Path,
@@ -177,21 +177,7 @@ impl StoreConfig {
 
     fn open_local(&self, root: PathBuf) -> Result<Opened, StoreError> {
         let display = root.display().to_string();
-        // Made when missing, but only inside a folder that exists: a slip in the path (or a
-        // share not mounted under a missing folder) is refused, not filled on the local disk.
-        if !root.is_dir() {
-            std::fs::create_dir(&root).map_err(|source| {
-                let parent = root.parent().map(|p| p.display().to_string()).unwrap_or_default();
-                let source = match source.kind() {
-                    std::io::ErrorKind::NotFound => std::io::Error::new(
-                        source.kind(),
-                        format!("its parent folder {parent} does not exist (a slip in the path, or a share not mounted?); create it first if this is the folder meant"),
-                    ),
-                    _ => source,
-                };
-                StoreError::Folder { path: display.clone(), source }
-            })?;
-        }
+        shotfleet_schema::store::make_folder(&root).map_err(|source| StoreError::Folder { path: display.clone(), source })?;
         let location = format!("file://{display}");
         let fs = LocalFileSystem::new_with_prefix(&root)
             .map_err(|source| StoreError::Build { location: location.clone(), source })?

@@ -103,15 +103,10 @@ async fn cancel_all(shared: &Shared, message: &async_nats::Message) -> Result<Ve
     Ok(answers)
 }
 
-/// The jobs (id, shot) with messages in `queued`, of `shot` when given, each once.
+/// The jobs (id, shot) of the messages in `queued`, of `shot` when given (a job queued twice
+/// is listed twice: the caller lists each once).
 fn in_queue(queued: &[Queued], shot: Option<&str>) -> Vec<(String, String)> {
-    let mut selected: Vec<(String, String)> = queued
-        .iter()
-        .filter(|q| shot.is_none_or(|shot| shot == q.shot_id))
-        .map(|q| (q.job_id.clone(), q.shot_id.clone()))
-        .collect();
-    selected.dedup_by(|a, b| a.0 == b.0);
-    selected
+    queued.iter().filter(|q| shot.is_none_or(|shot| shot == q.shot_id)).map(|q| (q.job_id.clone(), q.shot_id.clone())).collect()
 }
 
 /// Every message of `project` in `SHOTS`, oldest first: queued, or delivered and not yet acked.

@@ -222,11 +222,14 @@ fn decode(shared: &Shared, delivery: &Delivery) -> Result<ShotJob, Box<Rejected>
         return Err(reject(Some(job), InvalidJob::Invalid(e)));
     }
     // Before routing or degrading: a size this model cannot render is the job's fault, wherever
-    // it would be sent (a worker holding no class of it degraded such a job to a size it could).
+    // it would be sent; else a worker holding no class of it would degrade it to a size it can.
     if let Some(message) = shared.model.size_problem(job.width, job.height) {
-        let m = shared.model.side_multiple;
         let sides = [("width", job.width), ("height", job.height)];
-        let problems = sides.iter().filter(|(_, side)| *side == 0 || !side.is_multiple_of(m)).map(|(field, _)| Problem { field: (*field).into(), message: message.clone() }).collect();
+        let problems = sides
+            .iter()
+            .filter(|(_, side)| !shared.model.renders_side(*side))
+            .map(|(field, _)| Problem { field: (*field).into(), message: message.clone() })
+            .collect();
         return Err(reject(Some(job), InvalidJob::Invalid(ValidationError { problems })));
     }
     Ok(job)
