@@ -141,8 +141,8 @@ fn bad_settings_are_named() {
     assert!(e.contains("cuda.vae.graph") && e.contains("[cuda.unet] graph"), "{e}");
     let e = error(&cpu("", "[faults]\narena_limit_mib = 512\n"), &with_model, Overrides::default());
     assert!(e.contains("faults.arena_limit_mib") && e.contains("cpu_arena_max_mib"), "{e}");
-    // A slip of zeros in the thread count started 100,000 threads a graph and ate the host's
-    // memory before the first job.
+    // A slip of zeros in the thread count would start that many threads a graph and eat the
+    // host's memory before the first job.
     let e = error(&cpu("", "[budget]\nreserve_mib = 999999\n"), &with_model, Overrides::default());
     assert!(e.contains("reserve_mib") && e.contains("more than any card holds"), "{e}");
     let e = error(&cpu("", "[budget]\nreserve_mib = 4000\nmargin_mib = 96\n"), &with_model, Overrides::default());

@@ -251,7 +251,7 @@ mod tests {
         // An empty payload (`nats req shots.cancel.<project>.<job> ''`) is the default request.
         assert_eq!(CancelRequest::default().selection("job-1"), Ok(Selection::Jobs(vec!["job-1".into()])));
         assert!(CancelRequest::default().selection(WHOLE_PROJECT).unwrap_err().contains("names what to cancel"));
-        // What an outside client sent by mistake, each of which cancelled every job of the project.
+        // What an outside client may send by mistake: none of it reads as the whole project.
         for (json, says) in [
             (r#"{"v":1,"jobs":[]}"#, "names what to cancel"),
             (r#"{"v":1}"#, "names what to cancel"),

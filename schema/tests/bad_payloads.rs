@@ -74,7 +74,7 @@ fn decode_errors_are_specific() {
     check("msgpack array", Some("application/msgpack"), &msgpack(&serde_json::json!([1, "j1", "acme"])), Expect::Decode("a job is a map of named fields"));
     check("unknown content type", Some("text/yaml"), GOOD.as_bytes(), Expect::Decode("Content-Type"));
     check("json sent as msgpack", Some("application/msgpack"), GOOD.as_bytes(), Expect::Decode("this looks like JSON"));
-    // One value per message in either format (MessagePack's extra bytes were read past).
+    // One value per message, in either format.
     check("trailing msgpack", Some("application/msgpack"), &[full.as_slice(), b"\xc0\xc0"].concat(), Expect::Decode("2 byte(s) follow"));
     check("msgpack sent as json", None, &full, Expect::Decode("send it with `Content-Type: application/msgpack`"));
 

@@ -87,7 +87,7 @@ async fn a_request_that_does_not_say_which_jobs_cancels_nothing() {
     let shots: Vec<_> = ["cz-1", "cz-2"].iter().map(|id| shot(Priority::P1, job(id, "cz", (1600, 1600), 1, 1))).collect();
     submit(js, &shots).await;
     let client = js.client();
-    // What an outside client sent by mistake; each of them once cancelled the whole project.
+    // What an outside client may send by mistake: none of it reads as the whole project.
     for payload in [r#"{"v":1,"jobs":[]}"#, r#"{"v":1,"job":"cz-1"}"#, r#"{"job_ids":["cz-1"]}"#, r#"{"v":2,"all":true}"#, "{}"] {
         let answer = client.request("shots.cancel.cz.@project", payload.to_owned().into()).await.unwrap();
         let reply: shotfleet_schema::cancel::CancelReply = serde_json::from_slice(&answer.payload).unwrap();

@@ -410,7 +410,7 @@ async fn every_request_of_a_job_gets_its_own_outcome_an_invalid_resubmission_inc
     let _worker = Worker::start(&server.url(), WorkerSpec::new("resubmit", store.path()));
 
     // Refused, then refused again for another reason: the second request has its own outcome
-    // (its claim expects the first; once it expected none and the server refused it).
+    // (its claim expects the first, not none, which the server would refuse).
     let first = job("rs-1", "acme", (64, 64), 2, 1);
     publish_raw(&js, "shots.p1.xs.acme", &first, serde_json::json!({"steps": 0}), "acme/rs-1").await;
     let found = wait_for_outcomes(&js, "acme", "rs-1", 1).await;
@@ -428,7 +428,7 @@ async fn every_request_of_a_job_gets_its_own_outcome_an_invalid_resubmission_inc
     assert_eq!(outcomes_of(&js, "acme", "rs-1").await.len(), 3);
 
     // Cancelled while queued (a class nobody here serves), then re-submitted invalid: its
-    // failure follows the cancellation, with its failed record (it once vanished as "cancelled").
+    // failure follows the cancellation, with its failed record.
     let second = job("rs-2", "acme", (1600, 1600), 1, 1);
     submit(&js, &[shot(Priority::P1, second.clone())]).await;
     let answer = js.client().request("shots.cancel.acme.rs-2", "{}".into()).await.unwrap();

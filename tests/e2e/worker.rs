@@ -270,7 +270,7 @@ async fn invalid_jobs_go_to_the_failed_stream_with_reasons() {
     assert!(results.get_last_raw_message_by_subject("shots.done.beta.stray-1").await.is_err(), "nothing under beta");
 
     // A size this model cannot render, in a class no worker here holds: refused as invalid,
-    // not routed and then degraded to a size it can render (it came back `degraded`, 512x512).
+    // not routed and then degraded to a size it can render.
     let odd = shot(Priority::P2, job("odd-1", "acme", (1000, 1000), 2, 1));
     let mut headers = async_nats::HeaderMap::new();
     headers.insert("Nats-Msg-Id", "acme/odd-1");
@@ -469,8 +469,8 @@ async fn compatible_jobs_share_unet_batches_and_render_the_same_images() {
 
 /// What a supervisor does after an exit follows its code: a broken model folder is left
 /// stopped (2) like a bad config, a store that refuses for good waits out the store backoff
-/// (77) as it does when it refuses while serving; both were "start failed" (3), restarted
-/// within seconds, forever.
+/// (77) as it does when it refuses while serving; neither is "start failed" (3), which a
+/// supervisor restarts within seconds.
 #[tokio::test]
 async fn start_up_failures_that_no_restart_mends_exit_with_their_own_codes() {
     let server = NatsServer::start();
