@@ -48,7 +48,7 @@ impl Fleet {
         if let Some(gpu) = event.gpu {
             worker.gpu = Some(gpu);
         }
-        let key = shotfleet_schema::job::key(&event.project, &event.job_id);
+        let key = event.key();
         match event.event {
             ProgressEvent::Taken | ProgressEvent::Step => {
                 worker.holds.insert(key, event);

@@ -32,6 +32,13 @@ pub struct Placed {
     pub sequence: u64,
 }
 
+impl Placed {
+    /// `<project>/<job_id>`, as [`shotfleet_schema::job::key`].
+    pub fn key(&self) -> String {
+        shotfleet_schema::job::key(&self.project, &self.job_id)
+    }
+}
+
 /// Where one shot is.
 #[derive(Debug, Clone, PartialEq)]
 enum Stage {
@@ -43,10 +50,12 @@ enum Stage {
     Finished,
 }
 
-/// The display: bars on a terminal, lines elsewhere.
+/// The display: bars on a terminal, lines elsewhere. Jobs are kept by key (ids are unique
+/// within a project only) and shown by id, or by key when the jobs span several projects.
 pub struct Live {
     stages: BTreeMap<String, Stage>,
     order: Vec<String>,
+    several_projects: bool,
     bars: Option<Bars>,
     printed: HashMap<String, Instant>,
 }
@@ -67,16 +76,17 @@ impl Live {
             waiting.enable_steady_tick(Duration::from_millis(200));
             Bars { multi, waiting, shots: HashMap::new() }
         });
-        let stages = jobs.iter().map(|j| (j.job_id.clone(), Stage::Waiting { position: 0 })).collect();
-        let order = jobs.iter().map(|j| j.job_id.clone()).collect();
-        let mut live = Self { stages, order, bars, printed: HashMap::new() };
+        let stages = jobs.iter().map(|j| (j.key(), Stage::Waiting { position: 0 })).collect();
+        let order = jobs.iter().map(Placed::key).collect();
+        let several_projects = jobs.iter().any(|j| j.project != jobs[0].project);
+        let mut live = Self { stages, order, several_projects, bars, printed: HashMap::new() };
         live.draw_waiting();
         live
     }
 
     /// A progress event of one of the jobs.
     pub fn progressed(&mut self, event: ShotProgress) {
-        let job = event.job_id.clone();
+        let job = event.key();
         let Some(stage) = self.stages.get_mut(&job) else { return };
         if *stage == Stage::Finished {
             return;
@@ -94,7 +104,7 @@ impl Live {
                             bar.set_style(
                                 ProgressStyle::with_template("{prefix:<24} [{bar:30}] {msg}").expect("valid template").progress_chars("=> "),
                             );
-                            bar.set_prefix(job.clone());
+                            bar.set_prefix(label(self.several_projects, &job).to_owned());
                             bar
                         });
                         bar.set_position((fraction * 1000.0) as u64);
@@ -115,7 +125,7 @@ impl Live {
         self.draw_waiting();
     }
 
-    /// New queue positions of waiting jobs.
+    /// New queue positions of waiting jobs, by key.
     pub fn positions(&mut self, positions: &HashMap<String, u64>) {
         for (job, position) in positions {
             if let Some(stage @ Stage::Waiting { .. }) = self.stages.get_mut(job) {
@@ -125,7 +135,7 @@ impl Live {
         self.draw_waiting();
     }
 
-    /// A job's outcome arrived.
+    /// The outcome of the job of key `job` arrived.
     pub fn finished(&mut self, job: &str, outcome: &Outcome) {
         if let Some(stage) = self.stages.get_mut(job) {
             *stage = Stage::Finished;
@@ -140,7 +150,7 @@ impl Live {
         self.draw_waiting();
     }
 
-    /// Jobs not yet taken and not finished, in storyboard order.
+    /// The keys of the jobs not yet taken and not finished, in storyboard order.
     pub fn waiting(&self) -> Vec<&str> {
         self.order
             .iter()
@@ -178,6 +188,7 @@ impl Live {
             }
             self.printed.insert(job.to_owned(), now);
         }
+        let job = label(self.several_projects, job);
         match &self.bars {
             Some(bars) => {
                 let _ = bars.multi.println(format!("{job}: {text}"));
@@ -200,10 +211,13 @@ impl Live {
         let named: Vec<String> = waiting
             .iter()
             .take(WAITING_NAMED)
-            .map(|job| match self.stages.get(*job) {
-                Some(Stage::Waiting { position }) if *position > 0 => format!("{job} #{position}"),
-                Some(Stage::Requeued(_)) => format!("{job} (again)"),
-                _ => (*job).to_owned(),
+            .map(|job| {
+                let shown = label(self.several_projects, job);
+                match self.stages.get(*job) {
+                    Some(Stage::Waiting { position }) if *position > 0 => format!("{shown} #{position}"),
+                    Some(Stage::Requeued(_)) => format!("{shown} (again)"),
+                    _ => shown.to_owned(),
+                }
             })
             .collect();
         let more = if waiting.len() > WAITING_NAMED { ", …" } else { "" };
@@ -215,6 +229,11 @@ impl Live {
         let waiting = self.waiting();
         (!waiting.is_empty() && self.bars.is_none()).then(|| self.waiting_text())
     }
+}
+
+/// How a job of key `key` is shown: its id, or its key when the jobs span several projects.
+fn label(several_projects: bool, key: &str) -> &str {
+    if several_projects { key } else { key.split_once('/').map_or(key, |(_, job_id)| job_id) }
 }
 
 /// How far along a rendering job is, 0..=1.
@@ -270,7 +289,7 @@ pub async fn follow(js: &jetstream::Context, jobs: Vec<Placed>, live: Arc<Mutex<
                     let waiting: Vec<Placed> = {
                         let live = lock(&live);
                         let waiting = live.waiting();
-                        jobs.iter().filter(|j| waiting.contains(&j.job_id.as_str())).cloned().collect()
+                        jobs.iter().filter(|j| waiting.contains(&j.key().as_str())).cloned().collect()
                     };
                     let found = positions(&js, &waiting).await;
                     let mut live = lock(&live);
@@ -302,7 +321,8 @@ fn lock(live: &Mutex<Live>) -> std::sync::MutexGuard<'_, Live> {
 /// About how many jobs go before each of `waiting`: those of higher priorities in its class, and
 /// those before it in its own queue (counted as the queue's undelivered jobs less ours behind
 /// it: jobs others published after it count too, so this errs high). A job the server already
-/// delivered (taken, or given back and waiting for its redelivery) is left out.
+/// delivered (taken, or given back and waiting for its redelivery) is left out. Keyed by
+/// [`Placed::key`].
 pub async fn positions(js: &jetstream::Context, waiting: &[Placed]) -> HashMap<String, u64> {
     let Ok(stream) = js.get_stream_no_info(subject::JOBS_STREAM).await else { return HashMap::new() };
     let mut queues: HashMap<(Priority, SubjectClass), (u64, u64)> = HashMap::new();
@@ -338,7 +358,7 @@ pub async fn positions(js: &jetstream::Context, waiting: &[Placed]) -> HashMap<S
             .filter(|p| *p < job.priority)
             .filter_map(|p| queues.get(&(p, job.class)).map(|(pending, _)| *pending))
             .sum();
-        found.insert(job.job_id.clone(), higher + pending.saturating_sub(ours_behind).max(1));
+        found.insert(job.key(), higher + pending.saturating_sub(ours_behind).max(1));
     }
     found
 }
@@ -376,20 +396,32 @@ mod tests {
         assert_eq!(fraction(&event(0, 0, 0, 0, 1)), 0.0);
     }
 
+    fn placed(project: &str, job_id: &str) -> Placed {
+        Placed { project: project.into(), job_id: job_id.into(), priority: Priority::P1, class: SubjectClass::Auto, sequence: 1 }
+    }
+
     #[test]
     fn waiting_jobs_leave_the_line_when_taken_and_finished() {
-        let placed: Vec<Placed> = ["a", "b", "c"]
-            .iter()
-            .map(|id| Placed { project: "p".into(), job_id: (*id).into(), priority: Priority::P1, class: SubjectClass::Auto, sequence: 1 })
-            .collect();
+        let placed: Vec<Placed> = ["a", "b", "c"].iter().map(|id| placed("p", id)).collect();
         let mut live = Live::new(&placed, false);
-        assert_eq!(live.waiting(), ["a", "b", "c"]);
-        live.positions(&HashMap::from([("b".to_owned(), 7)]));
-        assert_eq!(live.waiting_line().unwrap(), "3 waiting in the queue: a, b #7, c");
+        assert_eq!(live.waiting(), ["p/a", "p/b", "p/c"]);
+        live.positions(&HashMap::from([("p/b".to_owned(), 7)]));
+        assert_eq!(live.waiting_line().unwrap(), "3 waiting in the queue: a, b #7, c", "one project: shown by id");
         live.progressed(ShotProgress { job_id: "a".into(), ..event(1, 30, 1, 0, 1) });
-        assert_eq!(live.waiting(), ["b", "c"]);
+        assert_eq!(live.waiting(), ["p/b", "p/c"]);
         live.progressed(ShotProgress { job_id: "a".into(), event: ProgressEvent::Queued, detail: Some("no room".into()), ..event(1, 30, 1, 0, 1) });
-        assert_eq!(live.waiting(), ["a", "b", "c"], "given back: waiting again");
+        assert_eq!(live.waiting(), ["p/a", "p/b", "p/c"], "given back: waiting again");
         assert_eq!(live.waiting_line().unwrap(), "3 waiting in the queue: a (again), b #7, c");
+    }
+
+    #[test]
+    fn one_id_in_two_projects_is_two_jobs() {
+        let mut live = Live::new(&[placed("ep1", "shot-001"), placed("ep2", "shot-001")], false);
+        live.progressed(ShotProgress { project: "ep2".into(), job_id: "shot-001".into(), ..event(1, 30, 1, 0, 1) });
+        assert_eq!(live.waiting(), ["ep1/shot-001"], "ep2's job was taken, ep1's still waits");
+        assert_eq!(live.waiting_line().unwrap(), "1 waiting in the queue: ep1/shot-001", "several projects: shown by key");
+        live.finished("ep1/shot-001", &Outcome::Failed { reason: "cancelled".into(), detail: String::new(), attempts: "0".into() });
+        assert!(live.waiting().is_empty());
+        assert_eq!(live.waiting_line(), None);
     }
 }

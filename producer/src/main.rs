@@ -513,18 +513,21 @@ async fn submit_file(options: &NatsOptions, args: SubmitArgs) -> Result<u8, Fail
     let awaited: Vec<Awaited> = board
         .shots
         .iter()
-        .map(|s| Awaited {
-            project: s.job.project.clone(),
-            job_id: s.job.job_id.clone(),
-            duplicate: duplicates.contains(&s.job.job_id),
-            queued_at: queued.get(&s.job.job_id).copied(),
+        .map(|s| {
+            let key = s.job.key();
+            Awaited {
+                project: s.job.project.clone(),
+                job_id: s.job.job_id.clone(),
+                duplicate: duplicates.contains(&key),
+                queued_at: queued.get(&key).copied(),
+            }
         })
         .collect();
     // On a terminal the bars say how many finished; elsewhere a line every tenth.
     let terminal = std::io::stderr().is_terminal();
     let progress = (!terminal).then(|| Progress::new(awaited.len() as u64, "finished"));
-    let order: std::collections::HashMap<&str, usize> = board.shots.iter().enumerate().map(|(i, s)| (s.job.job_id.as_str(), i)).collect();
-    placed.sort_by_key(|p| order.get(p.job_id.as_str()).copied());
+    let order: std::collections::HashMap<String, usize> = board.shots.iter().enumerate().map(|(i, s)| (s.job.key(), i)).collect();
+    placed.sort_by_key(|p| order.get(&p.key()).copied());
     let shown = std::sync::Arc::new(std::sync::Mutex::new(live::Live::new(&placed, terminal)));
     let _following = live::follow(&js, placed, shown.clone()).await.map_err(|e| server(anyhow::anyhow!(e)))?;
     let waited = wait::wait(&js, &awaited, since, args.timeout, |job, outcome| {
@@ -552,9 +555,12 @@ async fn submit_file(options: &NatsOptions, args: SubmitArgs) -> Result<u8, Fail
 fn print_table(shots: &[storyboard::Shot], outcomes: &std::collections::HashMap<String, Outcome>) {
     println!("{:<24} {:<12} {:<4} {:<9} {:>6} {:>9}  detail", "job", "shot", "prio", "status", "images", "render_s");
     let (mut done, mut degraded, mut failed, mut cancelled, mut waiting) = (0, 0, 0, 0, 0);
+    // Ids are unique within a project: a board of several projects names its jobs by key.
+    let several_projects = shots.iter().any(|s| s.job.project != shots[0].job.project);
     for shot in shots {
         let job = &shot.job;
-        let (status, images, render, detail) = match outcomes.get(&job.job_id) {
+        let name = if several_projects { job.key() } else { job.job_id.clone() };
+        let (status, images, render, detail) = match outcomes.get(&job.key()) {
             Some(Outcome::Done(result)) => {
                 let degraded_now = result.degrade.is_some();
                 if degraded_now { degraded += 1 } else { done += 1 }
@@ -579,7 +585,7 @@ fn print_table(shots: &[storyboard::Shot], outcomes: &std::collections::HashMap<
                 ("waiting", "-".into(), "-".into(), "no outcome yet".to_owned())
             }
         };
-        println!("{:<24} {:<12} {:<4} {:<9} {:>6} {:>9}  {detail}", job.job_id, job.shot_id, shot.priority, status, images, render);
+        println!("{name:<24} {:<12} {:<4} {:<9} {:>6} {:>9}  {detail}", job.shot_id, shot.priority, status, images, render);
     }
     let still = if waiting > 0 { format!(", {waiting} still waiting") } else { String::new() };
     println!("{done} done, {degraded} degraded, {failed} failed, {cancelled} cancelled{still}");
@@ -592,7 +598,7 @@ fn print_waits(shots: &[storyboard::Shot], outcomes: &std::collections::HashMap<
         let mut waits: Vec<u64> = shots
             .iter()
             .filter(|s| s.priority == priority)
-            .filter_map(|s| match outcomes.get(&s.job.job_id) {
+            .filter_map(|s| match outcomes.get(&s.job.key()) {
                 Some(Outcome::Done(result)) => Some(result.timing.queue_ms),
                 _ => None,
             })
@@ -606,7 +612,7 @@ fn print_waits(shots: &[storyboard::Shot], outcomes: &std::collections::HashMap<
         let images: usize = shots
             .iter()
             .filter(|s| s.priority == priority)
-            .filter_map(|s| match outcomes.get(&s.job.job_id) {
+            .filter_map(|s| match outcomes.get(&s.job.key()) {
                 Some(Outcome::Done(result)) => Some(result.images.len()),
                 _ => None,
             })
@@ -652,7 +658,7 @@ async fn show_status(options: &NatsOptions, args: StatusArgs) -> Result<u8, Fail
 /// When each duplicate's message, still queued, was published (the PubAck names it): the
 /// failures that count for it are written after. A producer role may not read `SHOTS`'
 /// messages (a refused request is never answered): the first look-up tells, within a second,
-/// and the rest are then not asked; they run side by side, each bounded.
+/// and the rest are then not asked; they run side by side, each bounded. Keyed by job key.
 async fn duplicates_queued_at(
     js: &async_nats::jetstream::Context,
     placed: &[live::Placed],
@@ -663,17 +669,17 @@ async fn duplicates_queued_at(
     let Ok(stream) = js.get_stream_no_info(shotfleet_schema::subject::JOBS_STREAM).await else { return Default::default() };
     let look_up = |p: &live::Placed| {
         let stream = stream.clone();
-        let (job_id, sequence) = (p.job_id.clone(), p.sequence);
+        let (key, sequence) = (p.key(), p.sequence);
         async move {
             // `None`: no answer in time (a refused request); `Some(None)`: not queued any more.
             match tokio::time::timeout(EACH, stream.get_raw_message(sequence)).await {
-                Ok(Ok(message)) => Some(Some((job_id, SystemTime::from(message.time)))),
+                Ok(Ok(message)) => Some(Some((key, SystemTime::from(message.time)))),
                 Ok(Err(_)) => Some(None),
                 Err(_) => None,
             }
         }
     };
-    let mut wanted = placed.iter().filter(|p| duplicates.contains(&p.job_id));
+    let mut wanted = placed.iter().filter(|p| duplicates.contains(&p.key()));
     let Some(first) = wanted.next() else { return Default::default() };
     let mut found = std::collections::HashMap::new();
     match look_up(first).await {

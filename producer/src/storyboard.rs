@@ -100,11 +100,12 @@ pub fn parse(text: &str, format: Format, limits: &Limits) -> Storyboard {
     for row in rows {
         match row.and_then(|(line, object)| shot_from_row(line, object, limits)) {
             Ok(shot) => {
-                if let Some(first) = seen.insert(shot.job.job_id.clone(), shot.line) {
+                // Ids are unique within a project: two episodes may both have `shot-001`.
+                if let Some(first) = seen.insert(shot.job.key(), shot.line) {
                     board.errors.push(LineError {
                         line: shot.line,
                         field: "job_id".into(),
-                        message: format!("`{}` is already used on line {first}", shot.job.job_id),
+                        message: format!("`{}` is already used on line {first} in project `{}`", shot.job.job_id, shot.job.project),
                     });
                 } else {
                     board.shots.push(shot);
@@ -445,6 +446,18 @@ not json
         assert!(board.errors[0].message.contains("did you mean `loras`?"), "{}", board.errors[0].message);
         assert_eq!((board.errors[1].line, board.errors[1].field.as_str()), (2, "image"));
         assert!(board.errors[1].message.contains("did you mean `images`?"), "{}", board.errors[1].message);
+    }
+
+    #[test]
+    fn a_job_id_is_unique_within_its_project() {
+        let episode = |project: &str| SHOT.replace("\"project\":\"p\"", &format!("\"project\":\"{project}\""));
+        let text = format!("{{{}}}\n{{{}}}\n{{{}}}\n", episode("ep1"), episode("ep2"), episode("ep1"));
+        let board = parse(&text, Format::JsonLines, &Limits::default());
+        let keys: Vec<String> = board.shots.iter().map(|s| s.job.key()).collect();
+        assert_eq!(keys, ["ep1/a1", "ep2/a1"], "two episodes may both have a1");
+        assert_eq!(board.errors.len(), 1, "{:?}", board.errors);
+        assert_eq!((board.errors[0].line, board.errors[0].field.as_str()), (3, "job_id"));
+        assert_eq!(board.errors[0].message, "`a1` is already used on line 1 in project `ep1`");
     }
 
     #[test]

@@ -39,7 +39,8 @@ impl Default for SubmitOptions {
 pub struct SubmitSummary {
     /// Jobs the stream took for the first time.
     pub queued: usize,
-    /// Jobs the stream already had inside its duplicate window: nothing was queued for them.
+    /// Jobs the stream already had inside its duplicate window, by key (`<project>/<job_id>`):
+    /// nothing was queued for them.
     pub duplicates: Vec<String>,
     pub elapsed: Duration,
 }
@@ -102,7 +103,7 @@ pub async fn submit(
         let shot: &Shot = &shots[index];
         let ack = ack.map_err(|detail| fail(shot, detail))?;
         if ack.duplicate {
-            summary.duplicates.push(shot.job.job_id.clone());
+            summary.duplicates.push(shot.job.key());
         } else {
             summary.queued += 1;
         }

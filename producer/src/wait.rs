@@ -29,7 +29,8 @@ impl Outcome {
     }
 }
 
-/// A job to wait for.
+/// A job to wait for. Outcomes are keyed by its [`key`](Awaited::key): ids are unique within
+/// a project only, and one storyboard may name several projects.
 #[derive(Debug, Clone)]
 pub struct Awaited {
     pub project: String,
@@ -42,6 +43,13 @@ pub struct Awaited {
     pub queued_at: Option<SystemTime>,
 }
 
+impl Awaited {
+    /// `<project>/<job_id>`, as [`shotfleet_schema::job::key`].
+    pub fn key(&self) -> String {
+        shotfleet_schema::job::key(&self.project, &self.job_id)
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum WaitError {
@@ -50,9 +58,9 @@ pub enum WaitError {
     #[error("gave up after {after:?}: {} of the jobs have no result or failed record yet ({})", pending.len(), listed(pending))]
     TimedOut {
         after: Duration,
-        /// The jobs without an outcome.
+        /// The jobs without an outcome, by key.
         pending: Vec<String>,
-        /// The outcomes that did arrive.
+        /// The outcomes that did arrive, by key.
         so_far: HashMap<String, Outcome>,
     },
 }
@@ -63,8 +71,9 @@ fn listed(ids: &[String]) -> String {
     format!("{}{more}", ids.iter().take(10).cloned().collect::<Vec<_>>().join(", "))
 }
 
-/// Follows results and failed records until every job in `jobs` has an outcome.
-/// `on_outcome` is called as outcomes arrive (for progress).
+/// Follows results and failed records until every job in `jobs` has an outcome; the outcomes
+/// are keyed by [`Awaited::key`]. `on_outcome` is called with the key as outcomes arrive (for
+/// progress).
 ///
 /// # Errors
 /// [`WaitError::TimedOut`] when `timeout` passes first; [`WaitError::Follow`] when a stream
@@ -76,9 +85,11 @@ pub async fn wait(
     timeout: Option<Duration>,
     mut on_outcome: impl FnMut(&str, &Outcome),
 ) -> Result<HashMap<String, Outcome>, WaitError> {
-    let wanted: HashMap<&str, &Awaited> = jobs.iter().map(|j| (j.job_id.as_str(), j)).collect();
+    let wanted: HashMap<String, &Awaited> = jobs.iter().map(|j| (j.key(), j)).collect();
     let projects: BTreeSet<&str> = jobs.iter().map(|j| j.project.as_str()).collect();
     let mut feeds = Vec::new();
+    // Each feed's project: a failed record names its job by id alone.
+    let mut feed_project: Vec<&str> = Vec::new();
     // The feeds (by index) still delivering what was stored before the wait began: a failure
     // read from them may be followed by a later result of the same job (a replay), so the wait
     // does not end on a failure before they are read through.
@@ -93,6 +104,7 @@ pub async fn wait(
             if pending > 0 {
                 behind.insert(feed);
             }
+            feed_project.push(project);
             feeds.push(messages.map(move |message| (feed, message)));
         }
     }
@@ -109,7 +121,7 @@ pub async fn wait(
             Some(deadline) => match tokio::time::timeout_at(deadline, messages.next()).await {
                 Ok(next) => next,
                 Err(_) => {
-                    let mut pending: Vec<String> = wanted.keys().filter(|id| !done.contains(**id)).map(|id| (*id).to_owned()).collect();
+                    let mut pending: Vec<String> = wanted.keys().filter(|key| !done.contains(*key)).cloned().collect();
                     pending.sort();
                     return Err(WaitError::TimedOut { after: timeout.unwrap_or_default(), pending, so_far: outcomes });
                 }
@@ -121,17 +133,17 @@ pub async fn wait(
         if message.info().is_ok_and(|info| info.pending == 0) {
             behind.remove(&feed);
         }
-        let Some((job_id, outcome)) = read_outcome(&message, &wanted, since) else { continue };
+        let Some((key, outcome)) = read_outcome(&message, feed_project[feed], &wanted, since) else { continue };
         // A result is final; a failure stands only until a result arrives, and is told once
         // (a failed job has both a failed outcome and a failed record).
-        if outcomes.get(&job_id).is_some_and(|o| !o.is_failed() || outcome.is_failed()) {
+        if outcomes.get(&key).is_some_and(|o| !o.is_failed() || outcome.is_failed()) {
             continue;
         }
-        on_outcome(&job_id, &outcome);
-        if !outcome.is_failed() || !done.contains(&job_id) {
-            done.insert(job_id.clone());
+        on_outcome(&key, &outcome);
+        if !outcome.is_failed() || !done.contains(&key) {
+            done.insert(key.clone());
         }
-        outcomes.insert(job_id, outcome);
+        outcomes.insert(key, outcome);
     }
     Ok(outcomes)
 }
@@ -200,17 +212,19 @@ async fn try_follow(
     Ok((consumer.messages().await.map_err(|e| e.to_string())?, pending))
 }
 
+/// The key and outcome a message of `project`'s feeds gives one of the `wanted` jobs.
 fn read_outcome(
     message: &jetstream::Message,
-    wanted: &HashMap<&str, &Awaited>,
+    project: &str,
+    wanted: &HashMap<String, &Awaited>,
     since: SystemTime,
 ) -> Option<(String, Outcome)> {
     let header = |name: &str| {
         message.headers.as_ref().and_then(|h| h.get(name)).map(|v| v.as_str().to_owned())
     };
     let written: SystemTime = message.info().ok()?.published.into();
-    let counts = |job_id: &str| {
-        wanted.get(job_id).is_some_and(|awaited| match (awaited.duplicate, awaited.queued_at) {
+    let counts = |key: &str| {
+        wanted.get(key).is_some_and(|awaited| match (awaited.duplicate, awaited.queued_at) {
             (true, Some(queued)) => written >= queued,
             (true, None) => true,
             (false, _) => written >= since,
@@ -219,21 +233,22 @@ fn read_outcome(
     if message.subject.starts_with(&format!("{}.done.", subject::ROOT)) {
         let content_type = ContentType::from_header(header(encoding::HEADER).as_deref()).ok()?;
         let result: ShotResult = encoding::decode(content_type, &message.payload).ok()?;
-        if !wanted.contains_key(result.job_id.as_str()) {
+        let key = result.key();
+        if !wanted.contains_key(&key) {
             return None;
         }
         if result.is_rendered() {
-            return Some((result.job_id.clone(), Outcome::Done(Box::new(result))));
+            return Some((key, Outcome::Done(Box::new(result))));
         }
-        if !counts(&result.job_id) {
+        if !counts(&key) {
             return None;
         }
         let failure = result.failure.clone().unwrap_or_default();
         let reason = failure.reason.map_or_else(|| "cancelled".to_owned(), |r| r.to_string());
-        Some((result.job_id, Outcome::Failed { reason, detail: failure.detail, attempts: failure.attempts.to_string() }))
+        Some((key, Outcome::Failed { reason, detail: failure.detail, attempts: failure.attempts.to_string() }))
     } else {
-        let job_id = header(failure::JOB_ID)?;
-        if !counts(&job_id) {
+        let key = shotfleet_schema::job::key(project, &header(failure::JOB_ID)?);
+        if !counts(&key) {
             return None;
         }
         let outcome = Outcome::Failed {
@@ -241,6 +256,6 @@ fn read_outcome(
             detail: header(failure::DETAIL).unwrap_or_default(),
             attempts: header(failure::ATTEMPTS).unwrap_or_default(),
         };
-        Some((job_id, outcome))
+        Some((key, outcome))
     }
 }

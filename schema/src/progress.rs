@@ -57,6 +57,13 @@ pub struct ShotProgress {
     pub at_ms: u64,
 }
 
+impl ShotProgress {
+    /// Its job's [`key`](crate::job::key), `<project>/<job_id>`.
+    pub fn key(&self) -> String {
+        crate::job::key(&self.project, &self.job_id)
+    }
+}
+
 /// What happened to the job.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "lowercase")]

@@ -52,6 +52,11 @@ impl ShotResult {
     pub fn is_rendered(&self) -> bool {
         matches!(self.status, ResultStatus::Done | ResultStatus::Degraded)
     }
+
+    /// Its job's [`key`](crate::job::key), `<project>/<job_id>`.
+    pub fn key(&self) -> String {
+        crate::job::key(&self.project, &self.job_id)
+    }
 }
 
 /// Why a job ended without images.

@@ -188,3 +188,21 @@ async fn a_wait_that_times_out_shows_what_finished_and_names_what_did_not() {
     assert!(said.lines().any(|l| l.starts_with("tw-xl") && l.contains(" waiting ")), "{said}");
     assert!(said.contains("1 of the jobs have no result or failed record yet (tw-xl)"), "{said}");
 }
+
+/// Ids are unique within a project: one board with `shot-1` in two episodes waits for both
+/// jobs, each with its own outcome (one rendered, one refused), named by project and id.
+#[tokio::test(flavor = "multi_thread")]
+async fn one_id_in_two_projects_is_two_jobs_with_their_own_outcomes() {
+    let fleet = OneWorker::start().await;
+    let board = tempfile::NamedTempFile::with_suffix(".jsonl").unwrap();
+    let mut refused = serde_json::to_value(job("shot-1", "ep2", (64, 64), 2, 1)).unwrap();
+    refused["loras"] = serde_json::json!([{"name": "absent", "weight": 0.5}]);
+    let lines = [serde_json::to_string(&job("shot-1", "ep1", (64, 64), 2, 1)).unwrap(), refused.to_string()];
+    std::fs::write(board.path(), lines.join("\n")).unwrap();
+    let out = shotfleet(&fleet.url(), &["submit", board.path().to_str().unwrap(), "--wait", "--timeout", "2m"]).await;
+    let said = text(&out);
+    assert_eq!(out.status.code(), Some(1), "one of the two failed: {said}");
+    assert!(said.lines().any(|l| l.starts_with("ep1/shot-1 ") && l.contains(" done ")), "{said}");
+    assert!(said.lines().any(|l| l.starts_with("ep2/shot-1 ") && l.contains(" failed ")), "{said}");
+    assert!(said.contains("1 done, 0 degraded, 1 failed, 0 cancelled"), "{said}");
+}
