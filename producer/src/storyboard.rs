@@ -196,9 +196,14 @@ fn delimiter(text: &str) -> u8 {
     [b',', b';', b'\t'].into_iter().max_by_key(|d| header.bytes().filter(|b| b == d).count()).unwrap_or(b',')
 }
 
+/// Said of a record that starts with a quote left open: the csv crate reads on to the next
+/// quote, however many lines on, so the rows between vanish into one cell.
+const OPEN_QUOTE: &str =
+    "a quote opened on this line is not closed, so its cell runs on over the next line(s): close it (a quote inside a cell is written \"\")";
+
 fn csv_rows(text: &str) -> Vec<Row> {
-    let mut reader =
-        csv::ReaderBuilder::new().flexible(false).delimiter(delimiter(text)).trim(csv::Trim::All).from_reader(text.as_bytes());
+    let separator = delimiter(text);
+    let mut reader = csv::ReaderBuilder::new().flexible(false).delimiter(separator).trim(csv::Trim::All).from_reader(text.as_bytes());
     let headers = match reader.headers() {
         Ok(h) => h.clone(),
         Err(e) => return vec![Err(whole_line(1, format!("cannot read the CSV header: {e}")))],
@@ -225,9 +230,21 @@ fn csv_rows(text: &str) -> Vec<Row> {
         .map(|record| {
             let record = record.map_err(|e| {
                 let line = e.position().map_or(0, |p| lines.of_record_at(p.byte()));
-                whole_line(line, format!("malformed CSV: {}", csv_error_kind(&e)))
+                let open = text.lines().nth(line.saturating_sub(1)).is_some_and(|l| l.matches('"').count() % 2 == 1);
+                let hint = if open { format!("; {OPEN_QUOTE}") } else { String::new() };
+                whole_line(line, format!("malformed CSV: {}{hint}", csv_error_kind(&e)))
             })?;
             let line = record.position().map_or(0, |p| lines.of_record_at(p.byte()));
+            // A record over several lines whose later line reads alone as a whole row: that row
+            // went into a cell. (A prompt of two lines ends in the rest of its own row.)
+            let spans = record.iter().map(|cell| cell.matches('\n').count()).sum::<usize>();
+            let a_row = |raw: &str| {
+                let mut alone = csv::ReaderBuilder::new().has_headers(false).delimiter(separator).from_reader(raw.as_bytes());
+                alone.records().next().is_some_and(|r| r.is_ok_and(|r| r.len() == headers.len()))
+            };
+            if spans > 0 && text.lines().skip(line).take(spans).any(a_row) {
+                return Err(whole_line(line, OPEN_QUOTE));
+            }
             // A spreadsheet's export ends in rows of empty cells: nothing, as a blank line is.
             if record.iter().all(|cell| cell.trim().is_empty()) {
                 return Ok(None);
@@ -446,6 +463,27 @@ not json
         assert!(board.errors[0].message.contains("did you mean `loras`?"), "{}", board.errors[0].message);
         assert_eq!((board.errors[1].line, board.errors[1].field.as_str()), (2, "image"));
         assert!(board.errors[1].message.contains("did you mean `images`?"), "{}", board.errors[1].message);
+    }
+
+    #[test]
+    fn a_quote_left_open_is_named_not_swallowing_the_next_rows() {
+        let header = "job_id,project,shot_id,prompt,width,height,steps,guidance,seed";
+        // Closed again by the next row's quotes: the cell ran over a whole row, which vanished.
+        let text = format!("{header}\na1,p,s1,\"a cat,64,64,2,5,1\na2,p,s2,\"a dog\",64,64,2,5,1\na3,p,s3,x,64,64,2,5,1\n");
+        let board = parse(&text, Format::Csv, &Limits::default());
+        assert_eq!(board.errors.len(), 1, "{:?}", board.errors);
+        assert_eq!(board.errors[0].line, 2);
+        assert!(board.errors[0].message.contains("a quote opened on this line is not closed"), "{}", board.errors[0].message);
+        // Never closed: the cell runs to the end of the file.
+        let text = format!("{header}\na1,p,s1,\"a cat,64,64,2,5,1\na2,p,s2,x,64,64,2,5,1\n");
+        let board = parse(&text, Format::Csv, &Limits::default());
+        assert_eq!(board.errors[0].line, 2, "{:?}", board.errors);
+        assert!(board.errors[0].message.contains("fields where the header has 9; a quote opened"), "{}", board.errors[0].message);
+        // A prompt of two lines in one cell is a prompt.
+        let text = format!("{header}\na1,p,s1,\"a cat,\nat night\",64,64,2,5,1\n");
+        let board = parse(&text, Format::Csv, &Limits::default());
+        assert!(board.errors.is_empty(), "{:?}", board.errors);
+        assert_eq!(board.shots[0].job.prompt, "a cat,\nat night");
     }
 
     #[test]
