@@ -3,7 +3,8 @@
 //!
 //! Exit codes: 0 success; 1 some jobs failed (with `--wait`), some failed records could not be
 //! replayed, or some jobs to cancel are unknown or could not be cancelled; 2 bad input (the file,
-//! flags, connection settings); 3 NATS unreachable, the server refused, or no worker answered.
+//! flags, connection settings); 3 NATS unreachable, the server refused, or no worker answered;
+//! 124 `submit --wait --timeout` ran out with jobs still waiting (as `timeout(1)` exits).
 
 use std::io::IsTerminal;
 use std::path::PathBuf;
@@ -229,7 +230,7 @@ struct SubmitArgs {
     /// Wait until every job has an outcome; exit 1 if any failed (cancelled ones do not count).
     #[arg(long)]
     wait: bool,
-    /// With --wait: give up after this long (e.g. 30m).
+    /// With --wait: give up after this long (e.g. 30m); exit 124 then, after the table so far.
     #[arg(long, requires = "wait", value_parser = parse_wait)]
     timeout: Option<Duration>,
     /// Encode payloads as JSON instead of MessagePack.
@@ -297,6 +298,8 @@ fn bad_input(e: impl Into<anyhow::Error>) -> Failure {
 fn server(e: impl Into<anyhow::Error>) -> Failure {
     Failure(3, e.into())
 }
+/// `submit --wait --timeout` ran out with jobs still waiting: `timeout(1)`'s code.
+const TIMED_OUT: u8 = 124;
 
 /// Lets a closed pipe end the command quietly, as `head` or `grep -q` expect of any Unix tool
 /// (exit 141 in the shell). Rust starts with SIGPIPE ignored, so the first `println!` after
@@ -539,10 +542,12 @@ async fn submit_file(options: &NatsOptions, args: SubmitArgs) -> Result<u8, Fail
     progress.iter().for_each(Progress::finish);
     let outcomes = match waited {
         Ok(outcomes) => outcomes,
-        // What did finish is shown before the jobs still waiting are named (exit 3).
+        // What did finish is shown before the jobs still waiting are named; its own exit code,
+        // apart from an unreachable server's, so a script can wait again.
         Err(wait::WaitError::TimedOut { after, pending, so_far }) => {
             print_table(&board.shots, &so_far);
-            return Err(server(wait::WaitError::TimedOut { after, pending, so_far: Default::default() }));
+            let error = wait::WaitError::TimedOut { after, pending, so_far: Default::default() };
+            return Err(Failure(TIMED_OUT, error.into()));
         }
         Err(e) => return Err(server(e)),
     };

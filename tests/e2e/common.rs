@@ -302,14 +302,19 @@ pub async fn submit(js: &jetstream::Context, shots: &[Shot]) {
     submit::submit(js, shots, SubmitOptions::default(), |_, _| {}).await.expect("submit");
 }
 
-/// Waits for every shot's outcome.
+/// Waits for every shot's outcome; the outcomes by job id (the wait's are by key, and the
+/// shots' ids must differ).
 pub async fn outcomes(js: &jetstream::Context, shots: &[Shot], timeout: Duration) -> HashMap<String, Outcome> {
     let awaited: Vec<Awaited> = shots
         .iter()
         .map(|s| Awaited { project: s.job.project.clone(), job_id: s.job.job_id.clone(), duplicate: false, queued_at: None })
         .collect();
     let since = SystemTime::now() - Duration::from_secs(3600);
-    wait::wait(js, &awaited, since, Some(timeout), |_, _| {}).await.expect("every job ends")
+    let by_key = wait::wait(js, &awaited, since, Some(timeout), |_, _| {}).await.expect("every job ends");
+    let by_id: HashMap<String, Outcome> =
+        by_key.into_iter().map(|(key, outcome)| (key.split_once('/').expect("a key").1.to_owned(), outcome)).collect();
+    assert_eq!(by_id.len(), shots.len(), "the shots' job ids differ");
+    by_id
 }
 
 /// The results among outcomes, panicking on a failed one.

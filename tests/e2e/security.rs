@@ -151,7 +151,7 @@ async fn each_role_does_its_commands_and_nothing_more() {
     let outcomes = shotfleet_producer::wait::wait(&js, &awaited, std::time::SystemTime::now(), Some(Duration::from_secs(120)), |_, _| {})
         .await
         .expect("the routed job's result, read as producer-tide");
-    assert!(matches!(outcomes["tide-auto"], shotfleet_producer::wait::Outcome::Done(_)), "{outcomes:?}");
+    assert!(matches!(outcomes["tide/tide-auto"], shotfleet_producer::wait::Outcome::Done(_)), "{outcomes:?}");
     let out = shotfleet(&url, &TIDE.env(), &["status"]).await;
     assert!(out.status.success(), "producer status: {}", text(&out));
     assert!(text(&out).contains("render-p0-xs"), "{}", text(&out));
