@@ -793,6 +793,15 @@ async fn replay_failed(options: &NatsOptions, args: ReplayArgs) -> Result<u8, Fa
         since: args.since.map(|w| w.resolve(now)),
         until: args.until.map(|w| w.resolve(now)),
     };
+    // `--since 1m --until 2h` reads as "from 1 to 2 hours" but is a window that ends before it
+    // begins: it would match nothing, silently.
+    if let (Some(since), Some(until)) = (filter.since, filter.until)
+        && since > until
+    {
+        return Err(bad_input(anyhow::anyhow!(
+            "--since is later than --until, so nothing can match: a duration means that long ago (the last two hours but the last minute: --since 2h --until 1m)"
+        )));
+    }
     let js = connect(options).await?;
     println!(
         "{:<13} {:>6}  {:<24} {:<14} {:>8}  {:<24} {:>5}  detail",

@@ -178,6 +178,10 @@ async fn filters_select_by_reason_project_job_and_time() {
     assert!(text(&out).contains("expected invalid, oom, attempts, max_deliveries or driver"), "{}", text(&out));
     let out = shotfleet(&server.url(), &["replay", "--since", "yesterday"]).await;
     assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    // A window that ends before it begins is refused, not an empty match.
+    let out = shotfleet(&server.url(), &["replay", "--since", "1m", "--until", "2h"]).await;
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    assert!(text(&out).contains("--since is later than --until"), "{}", text(&out));
     assert_eq!(count(&js, subject::FAILED_STREAM).await, 3);
 }
 
