@@ -74,7 +74,7 @@ fn mark(card: &Card) -> Option<String> {
         Status::Degraded => {
             let degrade = result.and_then(|r| r.degrade)?;
             Some(format!(
-                "degraded (rung {}): asked {}x{}, rendered smaller: out of memory at full size",
+                "degraded (rung {}): asked {}x{}, rendered smaller: no worker could take it at full size (out of memory, or no live worker holds that size)",
                 degrade.level, degrade.from.width, degrade.from.height
             ))
         }
