@@ -17,6 +17,9 @@ use crate::status;
 
 /// How often the screen is redrawn.
 pub const EVERY: Duration = Duration::from_secs(1);
+/// How long the first frame waits for the workers' answers (a live worker answers within
+/// milliseconds; the frames after wait a whole [`EVERY`]).
+const FIRST_ANSWERS: Duration = Duration::from_millis(500);
 
 /// The progress events a status follows: every project's, or `project`'s alone.
 pub fn events_subject(project: Option<&str>) -> String {
@@ -39,14 +42,17 @@ pub async fn watch(js: &jetstream::Context, project: Option<&str>, interactive: 
         std::thread::spawn(move || keys(&quit_tx));
     }
     let mut fleet = Fleet::default();
-    let mut tick = tokio::time::interval(EVERY);
+    // Each frame shows the answers to the ping sent after the frame before: the first frame
+    // waits a little for the first answers, or it would show no worker at all.
+    let _ = fleet::ping_to(&client, &inbox).await;
+    let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + FIRST_ANSWERS, EVERY);
     loop {
         tokio::select! {
             _ = tick.tick() => {
-                let _ = fleet::ping_to(&client, &inbox).await;
                 let status = status::read(js).await?;
                 let frame = status::render(&status, &fleet, Instant::now());
                 draw(&frame, screen.is_some()).map_err(|e| e.to_string())?;
+                let _ = fleet::ping_to(&client, &inbox).await;
             }
             Some(message) = events.next() => {
                 if let Ok(event) = serde_json::from_slice::<ShotProgress>(&message.payload) {

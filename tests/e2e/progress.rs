@@ -101,6 +101,10 @@ async fn status_names_live_workers_and_classes_nobody_serves() {
     assert!(frames >= 2, "{frames} frame(s):\n{said}");
     assert!(said.contains("no live worker serves class xl"), "{said}");
     assert!(said.lines().any(|l| l.trim_start().starts_with("w1 ")), "{said}");
+    // The first frame already has the worker's answer to its ping.
+    let second = said.match_indices("consumer ").nth(1).map_or(said.len(), |(at, _)| at);
+    let first = &said[..said[..second].rfind('\n').unwrap_or(second)];
+    assert!(first.lines().any(|l| l.trim_start().starts_with("w1 ")), "the first frame:\n{first}");
 }
 
 /// `submit --wait` of a job the server took as a duplicate of one still queued waits for that
