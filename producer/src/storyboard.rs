@@ -196,10 +196,63 @@ fn delimiter(text: &str) -> u8 {
     [b',', b';', b'\t'].into_iter().max_by_key(|d| header.bytes().filter(|b| b == d).count()).unwrap_or(b',')
 }
 
-/// Said of a record that starts with a quote left open: the csv crate reads on to the next
-/// quote, however many lines on, so the rows between vanish into one cell.
-const OPEN_QUOTE: &str =
-    "a quote opened on this line is not closed, so its cell runs on over the next line(s): close it (a quote inside a cell is written \"\")";
+/// A quoted cell that runs over a line's end and closes only lines later with more text after
+/// its quote, or never: the csv crate reads on to the next quote, however many lines on, so the
+/// rows between vanish into one cell.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct RunawayQuote {
+    /// The line of the cell's opening quote.
+    opened: usize,
+    /// The line of the quote that ends it, `None` when none does.
+    closed: Option<usize>,
+}
+
+impl RunawayQuote {
+    fn message(self) -> String {
+        let fix = "close the quote on this line (a quote inside a cell is written \"\")";
+        match self.closed {
+            Some(closed) => {
+                format!("a quote opened on this line closes only on line {closed}, so lines {}-{closed} were read as one row: {fix}", self.opened)
+            }
+            None => format!("a quote opened on this line is never closed, so the rest of the file was read into one cell: {fix}"),
+        }
+    }
+}
+
+/// The [`RunawayQuote`]s of a CSV text. As RFC 4180 has it, a quote inside a quoted cell is
+/// doubled and the closing quote is followed by the separator or the line's end; a quoted
+/// cell of several lines that closes so is a multi-line prompt, not a runaway.
+fn runaway_quotes(text: &str, separator: u8) -> Vec<RunawayQuote> {
+    let bytes = text.as_bytes();
+    let mut found = Vec::new();
+    let (mut line, mut cell_start, mut i) = (1, true, 0);
+    // The line of the opening quote while inside a quoted cell.
+    let mut quoted: Option<usize> = None;
+    while i < bytes.len() {
+        let byte = bytes[i];
+        match quoted {
+            Some(_) if byte == b'"' && bytes.get(i + 1) == Some(&b'"') => i += 1,
+            Some(opened) if byte == b'"' => {
+                quoted = None;
+                cell_start = false;
+                let next = bytes.get(i + 1).copied();
+                let ends_the_cell = next.is_none_or(|next| next == separator || next == b'\r' || next == b'\n');
+                if !ends_the_cell && line > opened {
+                    found.push(RunawayQuote { opened, closed: Some(line) });
+                }
+            }
+            Some(_) => {}
+            None if byte == b'"' && cell_start => quoted = Some(line),
+            None => cell_start = byte == separator || byte == b'\n',
+        }
+        if byte == b'\n' {
+            line += 1;
+        }
+        i += 1;
+    }
+    found.extend(quoted.map(|opened| RunawayQuote { opened, closed: None }));
+    found
+}
 
 fn csv_rows(text: &str) -> Vec<Row> {
     let separator = delimiter(text);
@@ -224,26 +277,22 @@ fn csv_rows(text: &str) -> Vec<Row> {
             ),
         })];
     }
+    let runaways = runaway_quotes(text, separator);
     let mut lines = Lines { text, at: 0, line: 1 };
     reader
         .records()
         .map(|record| {
             let record = record.map_err(|e| {
                 let line = e.position().map_or(0, |p| lines.of_record_at(p.byte()));
-                let open = text.lines().nth(line.saturating_sub(1)).is_some_and(|l| l.matches('"').count() % 2 == 1);
-                let hint = if open { format!("; {OPEN_QUOTE}") } else { String::new() };
-                whole_line(line, format!("malformed CSV: {}{hint}", csv_error_kind(&e)))
+                match runaways.iter().find(|r| r.opened == line) {
+                    Some(runaway) => whole_line(line, runaway.message()),
+                    None => whole_line(line, format!("malformed CSV: {}", csv_error_kind(&e))),
+                }
             })?;
             let line = record.position().map_or(0, |p| lines.of_record_at(p.byte()));
-            // A record over several lines whose later line reads alone as a whole row: that row
-            // went into a cell. (A prompt of two lines ends in the rest of its own row.)
             let spans = record.iter().map(|cell| cell.matches('\n').count()).sum::<usize>();
-            let a_row = |raw: &str| {
-                let mut alone = csv::ReaderBuilder::new().has_headers(false).delimiter(separator).from_reader(raw.as_bytes());
-                alone.records().next().is_some_and(|r| r.is_ok_and(|r| r.len() == headers.len()))
-            };
-            if spans > 0 && text.lines().skip(line).take(spans).any(a_row) {
-                return Err(whole_line(line, OPEN_QUOTE));
+            if let Some(runaway) = runaways.iter().find(|r| (line..=line + spans).contains(&r.opened)) {
+                return Err(whole_line(runaway.opened, runaway.message()));
             }
             // A spreadsheet's export ends in rows of empty cells: nothing, as a blank line is.
             if record.iter().all(|cell| cell.trim().is_empty()) {
@@ -468,22 +517,31 @@ not json
     #[test]
     fn a_quote_left_open_is_named_not_swallowing_the_next_rows() {
         let header = "job_id,project,shot_id,prompt,width,height,steps,guidance,seed";
-        // Closed again by the next row's quotes: the cell ran over a whole row, which vanished.
+        // Closed by the next row's opening quote: that row vanished into the prompt.
         let text = format!("{header}\na1,p,s1,\"a cat,64,64,2,5,1\na2,p,s2,\"a dog\",64,64,2,5,1\na3,p,s3,x,64,64,2,5,1\n");
         let board = parse(&text, Format::Csv, &Limits::default());
         assert_eq!(board.errors.len(), 1, "{:?}", board.errors);
         assert_eq!(board.errors[0].line, 2);
-        assert!(board.errors[0].message.contains("a quote opened on this line is not closed"), "{}", board.errors[0].message);
+        assert!(board.errors[0].message.starts_with("a quote opened on this line closes only on line 3, so lines 2-3"), "{}", board.errors[0].message);
+        assert_eq!(board.shots.iter().map(|s| s.job.job_id.as_str()).collect::<Vec<_>>(), ["a3"]);
         // Never closed: the cell runs to the end of the file.
         let text = format!("{header}\na1,p,s1,\"a cat,64,64,2,5,1\na2,p,s2,x,64,64,2,5,1\n");
         let board = parse(&text, Format::Csv, &Limits::default());
         assert_eq!(board.errors[0].line, 2, "{:?}", board.errors);
-        assert!(board.errors[0].message.contains("fields where the header has 9; a quote opened"), "{}", board.errors[0].message);
-        // A prompt of two lines in one cell is a prompt.
-        let text = format!("{header}\na1,p,s1,\"a cat,\nat night\",64,64,2,5,1\n");
+        assert!(board.errors[0].message.contains("is never closed"), "{}", board.errors[0].message);
+        // Cells of several lines, quoted as spreadsheets write them, are prompts: comma-heavy
+        // lines, a quote inside written twice, the first column.
+        let text = format!(
+            "{header}\n\
+             a1,p,s1,\"SC 12 - night street\nmasterpiece, best quality, 1girl, yellow raincoat, night, streetlight, rain, bokeh, cinematic, 35mm\nlow angle\",64,64,2,5,1\n\
+             a2,p,s2,\"the keeper says \"\"hi\"\",\nat dawn\",64,64,2,5,1\n\
+             \"a3\n\",p,s3,x,64,64,2,5,1\n"
+        );
         let board = parse(&text, Format::Csv, &Limits::default());
         assert!(board.errors.is_empty(), "{:?}", board.errors);
-        assert_eq!(board.shots[0].job.prompt, "a cat,\nat night");
+        assert!(board.shots[0].job.prompt.starts_with("SC 12 - night street\nmasterpiece, best quality"));
+        assert_eq!(board.shots[1].job.prompt, "the keeper says \"hi\",\nat dawn");
+        assert_eq!((board.shots[2].job.job_id.as_str(), board.shots[2].line), ("a3", 7), "cells are trimmed; lines counted through the cells");
     }
 
     #[test]
