@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use seeing::{OneWorker, shotfleet, shotfleet_with, text};
-use shotfleet_schema::{Degrade, Lora, Original, Priority};
+use shotfleet_schema::{Degrade, Lora, Original, Priority, ShotJob};
 use shotfleet_testkit::S3Server;
 use shotfleet_testkit::ports::free_port;
 use shotfleet_testkit::process::{Guarded, http_get};
@@ -112,6 +112,24 @@ async fn the_contact_sheet_loads_in_a_browser_with_every_image_and_mark() {
     assert_eq!(card("gy-s05")["opacity"], "0.45", "greyed: {verdict}");
     assert!(card("gy-s01")["mark"].is_null(), "{verdict}");
     assert!(html.contains("ink-wash (0.8)"), "the failed shot's LoRAs come from its failed record");
+
+    // A board that also holds another project's shots of the same ids, in the other order: the
+    // sheet follows its own project's lines.
+    let line = |project: &str, job: &ShotJob| serde_json::to_string(&ShotJob { project: project.into(), degrade: None, ..job.clone() }).unwrap();
+    let mut lines: Vec<String> = shots.iter().map(|s| line("gy", &s.job)).collect();
+    lines.extend(shots.iter().rev().map(|s| line("gz", &s.job)));
+    let board = out_dir.path().join("board.jsonl");
+    std::fs::write(&board, lines.join("\n")).unwrap();
+    let with_board = out_dir.path().join("with-board");
+    let out = shotfleet(
+        &fleet.url(),
+        &["gallery", "--project", "gy", "--board", board.to_str().unwrap(), "--store", &store_url, "--out", with_board.to_str().unwrap()],
+    )
+    .await;
+    assert!(out.status.success(), "{}", text(&out));
+    let html = std::fs::read_to_string(with_board.join("index.html")).unwrap();
+    let order: Vec<&str> = html.split("data-job=\"").skip(1).filter_map(|rest| rest.split('"').next()).collect();
+    assert_eq!(order, ["gy-s01", "gy-s02", "gy-s03", "gy-s04", "gy-s05"], "the board's order of gy's lines");
 }
 
 #[tokio::test(flavor = "multi_thread")]

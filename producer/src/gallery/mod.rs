@@ -97,13 +97,14 @@ impl Gallery {
     pub async fn cards(&mut self) -> Result<Vec<Card>, String> {
         let results = self.results().await?;
         let failed = self.failed_jobs().await?;
-        let board: HashMap<String, ShotJob> = self
-            .board
-            .iter()
-            .flat_map(|b| b.shots.iter())
-            .filter(|s| s.job.project == self.project)
-            .map(|s| (s.job.job_id.clone(), s.job.clone()))
-            .collect();
+        // This project's shots of the board, and their order: another project's may hold the
+        // same ids.
+        let (mut board, mut order) = (HashMap::new(), HashMap::new());
+        let shots = self.board.iter().flat_map(|b| b.shots.iter()).map(|s| &s.job).filter(|j| j.project == self.project);
+        for (i, job) in shots.enumerate() {
+            order.insert(job.job_id.clone(), i);
+            board.insert(job.job_id.clone(), job.clone());
+        }
         let mut cards = Vec::new();
         for result in results.into_values() {
             let job = board.get(&result.job_id).cloned().or_else(|| failed.get(&result.job_id).cloned());
@@ -125,9 +126,7 @@ impl Gallery {
                 cards.push(card);
             }
         }
-        let order: HashMap<&str, usize> =
-            self.board.iter().flat_map(|b| b.shots.iter()).enumerate().map(|(i, s)| (s.job.job_id.as_str(), i)).collect();
-        cards.sort_by(|a, b| match (order.get(a.job_id.as_str()), order.get(b.job_id.as_str())) {
+        cards.sort_by(|a, b| match (order.get(&a.job_id), order.get(&b.job_id)) {
             (Some(x), Some(y)) => x.cmp(y),
             (Some(_), None) => Ordering::Less,
             (None, Some(_)) => Ordering::Greater,
