@@ -128,7 +128,8 @@ struct CancelArgs {
     /// The project of the jobs.
     #[arg(long, env = "SHOTFLEET_PROJECT", value_parser = parse_project)]
     project: String,
-    /// Jobs to cancel.
+    /// Jobs to cancel: ids, or `<project>/<id>` as `submit --wait` names the jobs of a board of
+    /// several projects.
     #[arg(value_name = "JOB")]
     jobs: Vec<String>,
     /// Instead of jobs: the unfinished jobs of this shot.
@@ -696,6 +697,17 @@ async fn duplicates_queued_at(
     found
 }
 
+/// Job ids from `jobs` as given: an id, or a key (`<project>/<id>`) of `project`.
+fn without_project(project: &str, jobs: Vec<String>) -> Result<Vec<String>, String> {
+    jobs.into_iter()
+        .map(|job| match job.split_once('/') {
+            Some((of, id)) if of == project => Ok(id.to_owned()),
+            Some((of, _)) => Err(format!("`{job}` is a job of project `{of}`, not of --project {project}")),
+            None => Ok(job),
+        })
+        .collect()
+}
+
 async fn cancel_jobs(options: &NatsOptions, args: CancelArgs) -> Result<u8, Failure> {
     let which = match (args.shot, args.all) {
         (Some(shot), _) => Selection::Shot(shot),
@@ -705,7 +717,7 @@ async fn cancel_jobs(options: &NatsOptions, args: CancelArgs) -> Result<u8, Fail
                 "name the jobs to cancel, or --shot SHOT for a shot's, or --all for every unfinished job of the project"
             )));
         }
-        (None, false) => Selection::Jobs(args.jobs),
+        (None, false) => Selection::Jobs(without_project(&args.project, args.jobs).map_err(|e| bad_input(anyhow::anyhow!(e)))?),
     };
     let target = cancel::Target { project: args.project, which };
     target.validate().map_err(|e| bad_input(anyhow::anyhow!(e)))?;

@@ -39,7 +39,8 @@ async fn cancel_stops_a_render_and_removes_queued_jobs() {
     assert!(step.step < step.steps, "the render is under way: {step:?}");
 
     let started = Instant::now();
-    let out = shotfleet(&fleet.url(), &["cancel", "--project", "cx", "--by", "tester", "cx-long", "cx-q1"]).await;
+    // A job named by id, or by key as `submit --wait` names a board of several projects' jobs.
+    let out = shotfleet(&fleet.url(), &["cancel", "--project", "cx", "--by", "tester", "cx-long", "cx/cx-q1"]).await;
     let said = text(&out);
     assert!(out.status.success(), "{said}");
     assert!(said.contains("cx-long") && said.contains("cx-q1") && said.contains("2 cancelled"), "{said}");
@@ -97,6 +98,9 @@ async fn a_request_that_does_not_say_which_jobs_cancels_nothing() {
     let out = shotfleet(&fleet.url(), &["cancel", "--project", "cz"]).await;
     assert_eq!(out.status.code(), Some(2), "{}", text(&out));
     assert!(text(&out).contains("--all"), "{}", text(&out));
+    let out = shotfleet(&fleet.url(), &["cancel", "--project", "cz", "cx/cz-1"]).await;
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    assert!(text(&out).contains("`cx/cz-1` is a job of project `cx`, not of --project cz"), "{}", text(&out));
     let stream = js.get_stream(subject::RESULTS_STREAM).await.unwrap();
     for id in ["cz-1", "cz-2"] {
         assert!(stream.direct_get_last_for_subject(subject::result("cz", id)).await.is_err(), "{id} has an outcome");
