@@ -234,6 +234,10 @@ struct SubmitArgs {
     /// With --wait: give up after this long (e.g. 30m); exit 124 then, after the table so far.
     #[arg(long, requires = "wait", value_parser = parse_wait)]
     timeout: Option<Duration>,
+    /// Queue again the jobs the stream already has whose last outcome is failed or cancelled
+    /// (inside the duplicate window a re-submission is otherwise dropped as a copy).
+    #[arg(long)]
+    again: bool,
     /// Encode payloads as JSON instead of MessagePack.
     #[arg(long)]
     json: bool,
@@ -480,6 +484,7 @@ async fn submit_file(options: &NatsOptions, args: SubmitArgs) -> Result<u8, Fail
     let submit_options = submit::SubmitOptions {
         max_in_flight: args.max_in_flight,
         content_type: if args.json { ContentType::Json } else { ContentType::MessagePack },
+        again: args.again,
     };
     let mut placed = Vec::new();
     let summary = submit::submit(&js, &board.shots, submit_options, |shot, ack| {
@@ -497,23 +502,16 @@ async fn submit_file(options: &NatsOptions, args: SubmitArgs) -> Result<u8, Fail
     progress.finish();
     let rate = summary.queued as f64 / summary.elapsed.as_secs_f64().max(1e-9);
     println!(
-        "queued {} job(s) in {:.2}s ({rate:.0}/s); {} already queued inside the duplicate window, not queued again",
+        "queued {} job(s) in {:.2}s ({rate:.0}/s); {} already in the stream inside its duplicate window, not queued again",
         summary.queued,
         summary.elapsed.as_secs_f64(),
         summary.duplicates.len()
     );
-    if !summary.duplicates.is_empty() {
-        // A changed line under an old id is the easy mistake: the server compares ids, not shots.
-        println!(
-            "  their outcome is the earlier request's, as it was then: give a changed shot a new job_id to render it ({})",
-            summary.duplicates.iter().take(5).cloned().collect::<Vec<_>>().join(", ")
-        );
-    }
+    print_duplicates(&summary);
     if !args.wait {
         return Ok(0);
     }
     let duplicates: std::collections::HashSet<&String> = summary.duplicates.iter().collect();
-    let queued = duplicates_queued_at(&js, &placed, &duplicates).await;
     let awaited: Vec<Awaited> = board
         .shots
         .iter()
@@ -523,7 +521,7 @@ async fn submit_file(options: &NatsOptions, args: SubmitArgs) -> Result<u8, Fail
                 project: s.job.project.clone(),
                 job_id: s.job.job_id.clone(),
                 duplicate: duplicates.contains(&key),
-                queued_at: queued.get(&key).copied(),
+                queued_at: summary.queued_at.get(&key).copied(),
             }
         })
         .collect();
@@ -556,6 +554,31 @@ async fn submit_file(options: &NatsOptions, args: SubmitArgs) -> Result<u8, Fail
     // A cancelled job ended as someone asked: not a failure.
     let failed = outcomes.values().filter(|o| matches!(o, Outcome::Failed { reason, .. } if reason != "cancelled")).count();
     Ok(if failed > 0 { 1 } else { 0 })
+}
+
+/// Why the duplicates of a submission were not queued, and what was queued again.
+fn print_duplicates(summary: &submit::SubmitSummary) {
+    let some = |keys: &[String]| {
+        let more = if keys.len() > 5 { ", …" } else { "" };
+        format!("{}{more}", keys.iter().take(5).cloned().collect::<Vec<_>>().join(", "))
+    };
+    // A changed line under an old id is the easy mistake: the server compares ids, not shots.
+    if !summary.rendered.is_empty() {
+        let n = summary.rendered.len();
+        println!("  {n} already rendered: a job is rendered once under its id; give a changed shot a new job_id ({})", some(&summary.rendered));
+    }
+    if !summary.ended.is_empty() {
+        let n = summary.ended.len();
+        println!("  {n} ended failed or cancelled: `--again` queues them again ({})", some(&summary.ended));
+    }
+    let known: std::collections::HashSet<&String> = summary.rendered.iter().chain(&summary.ended).collect();
+    let to_come: Vec<String> = summary.duplicates.iter().filter(|k| !known.contains(k)).cloned().collect();
+    if !to_come.is_empty() {
+        println!("  {} without an outcome yet: still queued or rendering ({})", to_come.len(), some(&to_come));
+    }
+    if !summary.again.is_empty() {
+        println!("queued {} job(s) again: they had ended failed or cancelled ({})", summary.again.len(), some(&summary.again));
+    }
 }
 
 fn print_table(shots: &[storyboard::Shot], outcomes: &std::collections::HashMap<String, Outcome>) {
@@ -659,42 +682,6 @@ async fn show_status(options: &NatsOptions, args: StatusArgs) -> Result<u8, Fail
     }
     print!("{}", status::render(&status, &seen, now));
     Ok(0)
-}
-
-/// When each duplicate's message, still queued, was published (the PubAck names it): the
-/// failures that count for it are written after. A producer role may not read `SHOTS`'
-/// messages (a refused request is never answered): the first look-up tells, within a second,
-/// and the rest are then not asked; they run side by side, each bounded. Keyed by job key.
-async fn duplicates_queued_at(
-    js: &async_nats::jetstream::Context,
-    placed: &[live::Placed],
-    duplicates: &std::collections::HashSet<&String>,
-) -> std::collections::HashMap<String, SystemTime> {
-    use futures::StreamExt as _;
-    const EACH: Duration = Duration::from_secs(1);
-    let Ok(stream) = js.get_stream_no_info(shotfleet_schema::subject::JOBS_STREAM).await else { return Default::default() };
-    let look_up = |p: &live::Placed| {
-        let stream = stream.clone();
-        let (key, sequence) = (p.key(), p.sequence);
-        async move {
-            // `None`: no answer in time (a refused request); `Some(None)`: not queued any more.
-            match tokio::time::timeout(EACH, stream.get_raw_message(sequence)).await {
-                Ok(Ok(message)) => Some(Some((key, SystemTime::from(message.time)))),
-                Ok(Err(_)) => Some(None),
-                Err(_) => None,
-            }
-        }
-    };
-    let mut wanted = placed.iter().filter(|p| duplicates.contains(&p.key()));
-    let Some(first) = wanted.next() else { return Default::default() };
-    let mut found = std::collections::HashMap::new();
-    match look_up(first).await {
-        Some(queued) => found.extend(queued),
-        None => return found,
-    }
-    let rest: Vec<_> = futures::stream::iter(wanted.map(look_up)).buffer_unordered(16).collect().await;
-    found.extend(rest.into_iter().flatten().flatten());
-    found
 }
 
 /// Job ids from `jobs` as given: an id, or a key (`<project>/<id>`) of `project`.

@@ -118,7 +118,8 @@ async fn resubmitting_inside_the_duplicate_window_queues_nothing_twice() {
         assert!(text(&first).contains("queued 9 job(s)"), "{}", text(&first));
         let second = shotfleet(&server.url(), &["submit", board.to_str().unwrap(), "--json"]).await;
         assert!(text(&second).contains("queued 0 job(s)"), "{}", text(&second));
-        assert!(text(&second).contains("9 already queued inside the duplicate window"), "{}", text(&second));
+        assert!(text(&second).contains("9 already in the stream inside its duplicate window"), "{}", text(&second));
+        assert!(text(&second).contains("9 without an outcome yet: still queued or rendering"), "{}", text(&second));
         assert_eq!(jobs_in_stream(&server).await, 9, "{binary:?}");
     }
 }

@@ -204,6 +204,11 @@ pub mod msg_id {
     pub fn cancel(project: &str, job_id: &str, after: u64) -> String {
         format!("{}:cancel:{after}", job(project, job_id))
     }
+    /// A job submitted again (`shotfleet submit --again`) after its outcome at sequence
+    /// `after` failed or cancelled it: once per such outcome, however often it is asked.
+    pub fn again(project: &str, job_id: &str, after: u64) -> String {
+        format!("{}:again:{after}", job(project, job_id))
+    }
     /// A job re-published by a worker from `auto` (or a wrong class) to its class subject.
     pub fn route(project: &str, job_id: &str) -> String {
         format!("{}:route", job(project, job_id))

@@ -121,3 +121,34 @@ async fn a_request_that_does_not_say_which_jobs_cancels_nothing() {
     assert_eq!(out.status.code(), Some(1), "{}", text(&out));
     assert!(text(&out).contains("no unfinished job of shot `no-such-shot`"), "{}", text(&out));
 }
+
+/// A cancelled job submitted again inside the duplicate window: the server drops the copy and
+/// the CLI says why; with `--again` it is queued again, renders, and `--wait` reports that.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_cancelled_job_is_queued_again_when_asked() {
+    let fleet = OneWorker::start().await;
+    let js = &fleet.js;
+    let mut events = progress_events(&js.client(), "ag").await;
+    // One long render holds the only slot while ag-1 waits behind it and is cancelled.
+    submit(js, &[shot(Priority::P1, job("ag-long", "ag", (128, 128), 150, 2))]).await;
+    wait_for(&mut events, "ag-long", ProgressEvent::Step).await;
+    let dir = tempfile::tempdir().unwrap();
+    let board = dir.path().join("board.jsonl");
+    std::fs::write(&board, serde_json::to_string(&job("ag-1", "ag", (64, 64), 2, 1)).unwrap()).unwrap();
+    let board = board.to_str().unwrap();
+    assert!(shotfleet(&fleet.url(), &["submit", board]).await.status.success());
+    let out = shotfleet(&fleet.url(), &["cancel", "--project", "ag", "ag-1", "ag-long"]).await;
+    assert!(text(&out).contains("2 cancelled"), "{}", text(&out));
+
+    let out = shotfleet(&fleet.url(), &["submit", board]).await;
+    let said = text(&out);
+    assert!(said.contains("queued 0 job(s)") && said.contains("1 ended failed or cancelled: `--again` queues them again (ag/ag-1)"), "{said}");
+    let out = shotfleet(&fleet.url(), &["submit", board, "--again", "--wait", "--timeout", "2m"]).await;
+    let said = text(&out);
+    assert_eq!(out.status.code(), Some(0), "{said}");
+    assert!(said.contains("queued 1 job(s) again: they had ended failed or cancelled (ag/ag-1)"), "{said}");
+    assert!(said.lines().any(|l| l.starts_with("ag-1 ") && l.contains(" done ")), "{said}");
+    // Asked again, nothing more is queued: the rendered job is final.
+    let out = shotfleet(&fleet.url(), &["submit", board, "--again"]).await;
+    assert!(text(&out).contains("1 already rendered"), "{}", text(&out));
+}

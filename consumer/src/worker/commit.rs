@@ -26,7 +26,6 @@ use std::time::{Duration, SystemTime};
 
 use async_nats::jetstream::context::PublishErrorKind;
 use async_nats::jetstream::message::PublishMessage;
-use async_nats::jetstream::stream::DirectGetErrorKind;
 use shotfleet_schema::encoding::{self, ContentType};
 use shotfleet_schema::validate::{MAX_ID_BYTES, MAX_PROJECT_BYTES, id_problem};
 use shotfleet_schema::{Degrade, Failure, ImageRef, JobIds, ResultStatus, ShotJob, ShotResult, Timing, subject};
@@ -36,24 +35,7 @@ use crate::faults;
 use crate::pipeline::RenderedImage;
 use crate::worker::Shared;
 
-/// The last outcome on a job's result subject.
-#[derive(Debug, Clone)]
-pub struct Outcome {
-    pub result: ShotResult,
-    /// Its sequence in `SHOT_RESULTS`: a later claim expects it.
-    pub sequence: u64,
-    /// When the server stored it.
-    pub stored: SystemTime,
-}
-
-impl Outcome {
-    /// Whether this outcome settles a job message published at `published`: a rendered result
-    /// settles every message of the job; a failure or cancellation only the messages published
-    /// before it (one published after it is a replay or a re-submission: a new request).
-    pub fn settles(&self, published: SystemTime) -> bool {
-        self.result.is_rendered() || self.stored >= published
-    }
-}
+pub use shotfleet_schema::nats::outcome::Outcome;
 
 /// The last outcome of a job, if any.
 ///
@@ -72,18 +54,7 @@ pub async fn last_outcome_in(
     project: &str,
     job_id: &str,
 ) -> Result<Option<Outcome>, JobError> {
-    let subject = subject::result(project, job_id);
-    match results.direct_get_last_for_subject(subject).await {
-        Ok(message) => {
-            let ct = message.headers.get(encoding::HEADER).map(|v| v.as_str().to_owned());
-            let ct = ContentType::from_header(ct.as_deref()).map_err(|e| JobError::transient(e.to_string()))?;
-            let result = encoding::decode(ct, &message.payload)
-                .map_err(|e| JobError::transient(format!("the job's committed outcome is unreadable: {e}")))?;
-            Ok(Some(Outcome { result, sequence: message.sequence, stored: message.time.into() }))
-        }
-        Err(e) if matches!(e.kind(), DirectGetErrorKind::NotFound) => Ok(None),
-        Err(e) => Err(JobError::transient(format!("cannot look up the job's outcome: {e}"))),
-    }
+    shotfleet_schema::nats::outcome::last(results, project, job_id).await.map_err(|e| JobError::transient(e.to_string()))
 }
 
 /// Where a job message stands against its job's last outcome.

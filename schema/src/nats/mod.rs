@@ -7,6 +7,7 @@
 #[cfg(feature = "cli")]
 pub mod args;
 pub mod connect;
+pub mod outcome;
 pub mod ping;
 pub mod topology;
 

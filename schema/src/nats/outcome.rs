@@ -1,0 +1,56 @@
+//! A job's last outcome as the results stream holds it (the last message on
+//! `shots.done.<project>.<job_id>`): what a worker reads before it settles a job message, and
+//! what `shotfleet submit --again` reads before it queues a job that ended again.
+
+use std::time::SystemTime;
+
+use async_nats::jetstream::stream::{DirectGetErrorKind, Stream};
+
+use crate::encoding::{self, ContentType};
+use crate::{ShotResult, subject};
+
+/// The last outcome on a job's result subject.
+#[derive(Debug, Clone)]
+pub struct Outcome {
+    pub result: ShotResult,
+    /// Its sequence in `SHOT_RESULTS`: a later claim expects it.
+    pub sequence: u64,
+    /// When the server stored it.
+    pub stored: SystemTime,
+}
+
+impl Outcome {
+    /// Whether this outcome settles a job message published at `published`: a rendered result
+    /// settles every message of the job; a failure or cancellation only the messages published
+    /// before it (one published after it is a replay or a re-submission: a new request).
+    pub fn settles(&self, published: SystemTime) -> bool {
+        self.result.is_rendered() || self.stored >= published
+    }
+}
+
+/// Why the last outcome could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum OutcomeError {
+    #[error("the job's committed outcome is unreadable: {0}")]
+    Unreadable(String),
+    #[error("cannot look up the job's outcome: {0}")]
+    Lookup(String),
+}
+
+/// The last outcome of `project`/`job_id` in the results stream `results`, `None` when the job
+/// has none.
+///
+/// # Errors
+/// [`OutcomeError`] when the stream cannot be read or the stored outcome does not decode.
+pub async fn last<I>(results: &Stream<I>, project: &str, job_id: &str) -> Result<Option<Outcome>, OutcomeError> {
+    match results.direct_get_last_for_subject(subject::result(project, job_id)).await {
+        Ok(message) => {
+            let content_type = super::content_type(&message.headers);
+            let content_type = ContentType::from_header(content_type.as_deref()).map_err(|e| OutcomeError::Unreadable(e.to_string()))?;
+            let result = encoding::decode(content_type, &message.payload).map_err(|e| OutcomeError::Unreadable(e.to_string()))?;
+            Ok(Some(Outcome { result, sequence: message.sequence, stored: message.time.into() }))
+        }
+        Err(e) if matches!(e.kind(), DirectGetErrorKind::NotFound) => Ok(None),
+        Err(e) => Err(OutcomeError::Lookup(e.to_string())),
+    }
+}
