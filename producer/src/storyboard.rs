@@ -172,16 +172,21 @@ const JSON_FIELDS: [&str; 15] = [
 /// `negativ_prompt`) would else be dropped and the shot rendered without it, unsaid.
 fn known_fields(line: usize, object: Map<String, Value>) -> Row {
     if let Some(unknown) = object.keys().find(|k| !JSON_FIELDS.contains(&k.as_str())) {
-        let near = JSON_FIELDS.iter().map(|known| (strsim::levenshtein(&unknown.to_lowercase(), known), known)).min_by_key(|(distance, _)| *distance);
-        let hint = near.filter(|(distance, _)| *distance <= 2).map(|(_, known)| format!("did you mean `{known}`? ")).unwrap_or_default();
         let message = if unknown == "degrade" {
             "set by workers only: leave it out".to_owned()
         } else {
-            format!("unknown field; {hint}known fields are {}", JSON_FIELDS.join(", "))
+            format!("unknown field; {}known fields are {}", nearest(unknown, &JSON_FIELDS), JSON_FIELDS.join(", "))
         };
         return Err(LineError { line, field: unknown.clone(), message });
     }
     Ok((line, object))
+}
+
+/// `did you mean `name`? ` for the known name nearest to `unknown` (a typo or two away), else
+/// nothing.
+fn nearest(unknown: &str, known: &[&str]) -> String {
+    let near = known.iter().map(|known| (strsim::levenshtein(&unknown.to_lowercase(), known), known)).min_by_key(|(distance, _)| *distance);
+    near.filter(|(distance, _)| *distance <= 2).map(|(_, known)| format!("did you mean `{known}`? ")).unwrap_or_default()
 }
 
 /// Columns that hold numbers; everything else is text.
@@ -261,6 +266,8 @@ fn csv_rows(text: &str) -> Vec<Row> {
         Ok(h) => h.clone(),
         Err(e) => return vec![Err(whole_line(1, format!("cannot read the CSV header: {e}")))],
     };
+    // A spreadsheet's header is often capitalized (`Job_ID`, `Prompt`).
+    let headers: csv::StringRecord = headers.iter().map(str::to_lowercase).collect();
     if let Some((i, _)) = headers.iter().enumerate().find(|(i, h)| headers.iter().take(*i).any(|earlier| earlier == *h)) {
         return vec![Err(LineError { line: 1, field: headers[i].to_owned(), message: "this column is in the header twice".into() })];
     }
@@ -268,14 +275,9 @@ fn csv_rows(text: &str) -> Vec<Row> {
         return vec![Err(whole_line(1, format!("column {} of the header is empty (a trailing separator?)", blank + 1)))];
     }
     if let Some(unknown) = headers.iter().find(|h| !NUMERIC_COLUMNS.contains(h) && !TEXT_COLUMNS.contains(h)) {
-        return vec![Err(LineError {
-            line: 1,
-            field: unknown.to_owned(),
-            message: format!(
-                "unknown column; known columns are {}",
-                TEXT_COLUMNS.iter().chain(NUMERIC_COLUMNS.iter()).copied().collect::<Vec<_>>().join(", ")
-            ),
-        })];
+        let known: Vec<&str> = TEXT_COLUMNS.iter().chain(NUMERIC_COLUMNS.iter()).copied().collect();
+        let message = format!("unknown column; {}known columns are {}", nearest(unknown, &known), known.join(", "));
+        return vec![Err(LineError { line: 1, field: unknown.to_owned(), message })];
     }
     let runaways = runaway_quotes(text, separator);
     let mut lines = Lines { text, at: 0, line: 1 };
@@ -304,7 +306,7 @@ fn csv_rows(text: &str) -> Vec<Row> {
                     continue;
                 }
                 let value = if NUMERIC_COLUMNS.contains(&name) {
-                    number_cell(line, name, cell)?
+                    number_cell(line, name, cell, separator == b';')?
                 } else if name == "loras" {
                     loras_cell(line, cell)?
                 } else {
@@ -320,23 +322,34 @@ fn csv_rows(text: &str) -> Vec<Row> {
 }
 
 /// A number column's cell as a spreadsheet writes it: `30.0` where a whole number is meant is
-/// that number, and a thousands separator (`1,024`) or text is said to be one.
-fn number_cell(line: usize, name: &str, cell: &str) -> Result<Value, LineError> {
+/// that number, and a thousands separator (`1,024`) or text is said to be one. In a file
+/// separated by semicolons (a European spreadsheet's export), `6,5` is a decimal comma.
+fn number_cell(line: usize, name: &str, cell: &str, decimal_comma: bool) -> Result<Value, LineError> {
     let cell = cell.trim();
-    let refused = |message: String| LineError { line, field: name.to_owned(), message };
-    let number: serde_json::Number = serde_json::from_str(cell).map_err(|_| {
+    let text = if decimal_comma && cell.matches(',').count() == 1 && !cell.contains('.') { cell.replace(',', ".") } else { cell.to_owned() };
+    let number: serde_json::Number = serde_json::from_str(&text).map_err(|_| {
         let hint = if cell.contains(',') { " (write it without a thousands separator)" } else { "" };
-        refused(format!("`{cell}` is not a number{hint}"))
+        LineError { line, field: name.to_owned(), message: format!("`{cell}` is not a number{hint}") }
     })?;
-    if name == "guidance" {
-        return Ok(Value::Number(number));
+    whole_number(line, name, &number)
+}
+
+/// A number field's value: `guidance` as it is; the others are whole numbers from 0, and one
+/// written with a fraction of zero (`30.0`, as spreadsheets and some JSON writers write it) is
+/// that number.
+fn whole_number(line: usize, name: &str, number: &serde_json::Number) -> Result<Value, LineError> {
+    let refused = |message: String| Err(LineError { line, field: name.to_owned(), message });
+    if name == "guidance" || number.is_u64() {
+        return Ok(Value::Number(number.clone()));
     }
     match number.as_f64() {
-        Some(whole) if !number.is_u64() && whole.fract() == 0.0 && (0.0..9.0e15).contains(&whole) => Ok(Value::from(whole as u64)),
-        Some(whole) if !number.is_u64() && !number.is_i64() => {
-            Err(refused(format!("`{cell}` is {}", if whole.fract() == 0.0 { "too large" } else { "not a whole number" })))
-        }
-        _ => Ok(Value::Number(number)),
+        Some(negative) if negative < 0.0 && name == "seed" => refused(format!(
+            "`{number}` is negative: a seed is a whole number from 0 (`-1`, \"random\" in some tools, is not taken: a shot renders the same from its seed each time)"
+        )),
+        Some(negative) if negative < 0.0 => refused(format!("`{number}` is negative")),
+        Some(whole) if whole.fract() == 0.0 && whole < 9.0e15 => Ok(Value::from(whole as u64)),
+        Some(whole) if whole.fract() == 0.0 => refused(format!("`{number}` is too large")),
+        _ => refused(format!("`{number}` is not a whole number")),
     }
 }
 
@@ -381,8 +394,9 @@ fn csv_error_kind(error: &csv::Error) -> String {
 
 /// `name:weight;name:weight` into the JSON form.
 fn loras_cell(line: usize, cell: &str) -> Result<Value, LineError> {
+    // LoRA names hold no `,`: `mei:0.8, hero:0.5` is two, as `;` separates them.
     let loras = cell
-        .split(';')
+        .split([';', ','])
         .map(str::trim)
         .filter(|s| !s.is_empty())
         .map(|item| {
@@ -418,6 +432,16 @@ fn shot_from_row(line: usize, mut object: Map<String, Value>, limits: &Limits) -
         }
     };
     object.entry("v").or_insert(Value::from(shotfleet_schema::VERSION));
+    // As a CSV cell's: `30.0` for a whole number, a negative seed named; no LoRAs for null.
+    for name in NUMERIC_COLUMNS {
+        if let Some(Value::Number(number)) = object.get(name) {
+            let value = whole_number(line, name, number)?;
+            object.insert(name.to_owned(), value);
+        }
+    }
+    if object.get("loras").is_some_and(Value::is_null) {
+        object.remove("loras");
+    }
     let job: ShotJob = serde_path_to_error::deserialize(Value::Object(object)).map_err(|e| LineError {
         line,
         field: e.path().to_string().trim_start_matches('.').to_owned(),
@@ -498,6 +522,11 @@ not json
     fn csv_unknown_column_is_refused() {
         let board = parse("job_id,widht\nx,5\n", Format::Csv, &Limits::default());
         assert_eq!(board.errors[0].field, "widht");
+        assert!(board.errors[0].message.starts_with("unknown column; did you mean `width`?"), "{}", board.errors[0].message);
+        // A spreadsheet's capitalized header reads.
+        let board = parse("Job_ID,Project,Shot_ID,Prompt,Width,Height,Steps,Guidance,Seed\na,p,s,x,64,64,2,5,1\n", Format::Csv, &Limits::default());
+        assert!(board.errors.is_empty(), "{:?}", board.errors);
+        assert_eq!(board.shots[0].job.job_id, "a");
     }
 
     const SHOT: &str = r#""job_id":"a1","project":"p","shot_id":"s1","prompt":"x","width":64,"height":64,"steps":2,"guidance":5,"seed":1"#;
@@ -572,19 +601,38 @@ not json
     #[test]
     fn a_spreadsheets_cells_are_read_as_a_person_wrote_them() {
         let header = "job_id;project;shot_id;prompt;width;height;steps;guidance;seed;priority;loras";
-        let text = format!("{header}\na1; p ;s1;x;64;64;30.0;5.5;1; p0 ;\na2;p;s2;x;\"1,024\";64;2;5;1;p1;\na3;p;s3;x;64;64;2.5;5;1;p1;mei:nan\n");
+        // A European export: semicolons, and decimal commas.
+        let text = format!(
+            "{header}\na1; p ;s1;x;64;64;30.0;5.5;1; p0 ;\na2;p;s2;x;64;64;30,0;6,5;1;p1;mei:0.8, hero:0.5\na3;p;s3;x;64;64;2.5;5;1;p1;mei:nan\n"
+        );
         let board = parse(&text, Format::Csv, &Limits::default());
-        assert_eq!(board.shots.len(), 1, "{:?}", board.errors);
+        assert_eq!(board.shots.len(), 2, "{:?}", board.errors);
         let shot = &board.shots[0];
         assert_eq!((shot.job.project.as_str(), shot.job.steps, shot.priority), ("p", 30, Priority::P0));
-        assert_eq!((board.errors[0].line, board.errors[0].field.as_str()), (3, "width"));
-        assert!(board.errors[0].message.contains("without a thousands separator"), "{}", board.errors[0].message);
-        assert_eq!((board.errors[1].line, board.errors[1].field.as_str()), (4, "steps"));
-        assert!(board.errors[1].message.contains("not a whole number"), "{}", board.errors[1].message);
+        let shot = &board.shots[1];
+        assert_eq!((shot.job.steps, shot.job.guidance), (30, 6.5));
+        assert_eq!(shot.job.loras.iter().map(|l| (l.name.as_str(), l.weight)).collect::<Vec<_>>(), [("mei", 0.8), ("hero", 0.5)]);
+        assert_eq!((board.errors[0].line, board.errors[0].field.as_str()), (4, "steps"));
+        assert!(board.errors[0].message.contains("not a whole number"), "{}", board.errors[0].message);
+        let comma = parse("job_id,project,shot_id,prompt,width,height,steps,guidance,seed\na,p,s,x,\"1,024\",64,2,5,1\n", Format::Csv, &Limits::default());
+        assert!(comma.errors[0].message.contains("without a thousands separator"), "{:?}", comma.errors);
         let twice = parse("job_id,width,width\na,64,64\n", Format::Csv, &Limits::default());
         assert!(twice.errors[0].message.contains("in the header twice"), "{:?}", twice.errors);
         let trailing = parse("job_id,project,\na,p,\n", Format::Csv, &Limits::default());
         assert!(trailing.errors[0].message.contains("column 3 of the header is empty"), "{:?}", trailing.errors);
+    }
+
+    #[test]
+    fn json_numbers_and_loras_read_as_a_csv_cells_do() {
+        let line = |changed: &str| format!("{{{}}}", SHOT.replace("\"steps\":2", changed));
+        let board = parse(&line(r#""steps":30.0,"loras":null"#), Format::JsonLines, &Limits::default());
+        assert!(board.errors.is_empty(), "{:?}", board.errors);
+        assert_eq!(board.shots[0].job.steps, 30);
+        let board = parse(&line(r#""steps":2,"seed":-1"#).replace("\"seed\":1", "\"images\":1"), Format::JsonLines, &Limits::default());
+        assert_eq!(board.errors[0].field, "seed", "{:?}", board.errors);
+        assert!(board.errors[0].message.contains("`-1` is negative: a seed is a whole number from 0"), "{}", board.errors[0].message);
+        let board = parse(&line(r#""steps":2.5"#), Format::JsonLines, &Limits::default());
+        assert!(board.errors[0].message.contains("`2.5` is not a whole number"), "{:?}", board.errors);
     }
 
     #[test]

@@ -254,8 +254,8 @@ impl IdKind {
     fn problem(self, value: &str, max_bytes: usize) -> Option<String> {
         let allowed = |c: char| c.is_ascii_alphanumeric() || c == '_' || c == '-' || (matches!(self, Self::FileName) && c == '.');
         let charset = match self {
-            Self::Plain => "letters, digits, `_` and `-`",
-            Self::FileName => "letters, digits, `_`, `-` and `.`",
+            Self::Plain => "ASCII letters (a-z, A-Z), digits, `_` and `-`",
+            Self::FileName => "ASCII letters (a-z, A-Z), digits, `_`, `-` and `.`",
         };
         if value.is_empty() {
             Some("must not be empty".into())
