@@ -150,6 +150,27 @@ impl Live {
         self.draw_waiting();
     }
 
+    /// A line about the wait as a whole: above the bars on a terminal, else on stderr.
+    pub fn note(&self, text: &str) {
+        match &self.bars {
+            Some(bars) => {
+                let _ = bars.multi.println(text);
+            }
+            None => eprintln!("{text}"),
+        }
+    }
+
+    /// Where the unfinished job of key `job` stands, for a table of what did not finish.
+    pub fn unfinished(&self, job: &str) -> Option<String> {
+        match self.stages.get(job)? {
+            Stage::Waiting { position: 0 } => Some("waiting in the queue".into()),
+            Stage::Waiting { position } => Some(format!("waiting in the queue, #{position}")),
+            Stage::Requeued(why) => Some(format!("given back to the queue: {why}")),
+            Stage::Rendering(event) => Some(format!("rendering: {}", describe(event))),
+            Stage::Finished => None,
+        }
+    }
+
     /// The keys of the jobs not yet taken and not finished, in storyboard order.
     pub fn waiting(&self) -> Vec<&str> {
         self.order
@@ -188,13 +209,7 @@ impl Live {
             }
             self.printed.insert(job.to_owned(), now);
         }
-        let job = label(self.several_projects, job);
-        match &self.bars {
-            Some(bars) => {
-                let _ = bars.multi.println(format!("{job}: {text}"));
-            }
-            None => eprintln!("{job}: {text}"),
-        }
+        self.note(&format!("{}: {text}", label(self.several_projects, job)));
     }
 
     /// The waiting line: how many wait, and the next few with their positions.
@@ -278,6 +293,8 @@ pub async fn follow(js: &jetstream::Context, jobs: Vec<Placed>, live: Arc<Mutex<
         let mut tick = tokio::time::interval(POSITIONS_EVERY);
         // Off a terminal the line is printed when it changes, not at every tick (a log fills).
         let mut printed = String::new();
+        // The client reconnects on its own; the person should know why nothing moves meanwhile.
+        let mut connected = true;
         loop {
             tokio::select! {
                 Some(message) = events.next() => {
@@ -286,6 +303,15 @@ pub async fn follow(js: &jetstream::Context, jobs: Vec<Placed>, live: Arc<Mutex<
                     }
                 }
                 _ = tick.tick() => {
+                    let now_connected = js.client().connection_state() == async_nats::connection::State::Connected;
+                    if now_connected != connected {
+                        connected = now_connected;
+                        let said = if connected { "connected to NATS again" } else { "lost the connection to NATS; reconnecting (the wait goes on)" };
+                        lock(&live).note(said);
+                    }
+                    if !connected {
+                        continue;
+                    }
                     let waiting: Vec<Placed> = {
                         let live = lock(&live);
                         let waiting = live.waiting();

@@ -544,13 +544,14 @@ async fn submit_file(options: &NatsOptions, args: SubmitArgs) -> Result<u8, Fail
         // What did finish is shown before the jobs still waiting are named; its own exit code,
         // apart from an unreachable server's, so a script can wait again.
         Err(wait::WaitError::TimedOut { after, pending, so_far }) => {
-            print_table(&board.shots, &so_far);
+            let shown = shown.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            print_table(&board.shots, &so_far, |key| shown.unfinished(key));
             let error = wait::WaitError::TimedOut { after, pending, so_far: Default::default() };
             return Err(Failure(TIMED_OUT, error.into()));
         }
         Err(e) => return Err(server(e)),
     };
-    print_table(&board.shots, &outcomes);
+    print_table(&board.shots, &outcomes, |_| None);
     // A cancelled job ended as someone asked: not a failure.
     let failed = outcomes.values().filter(|o| matches!(o, Outcome::Failed { reason, .. } if reason != "cancelled")).count();
     Ok(if failed > 0 { 1 } else { 0 })
@@ -581,7 +582,8 @@ fn print_duplicates(summary: &submit::SubmitSummary) {
     }
 }
 
-fn print_table(shots: &[storyboard::Shot], outcomes: &std::collections::HashMap<String, Outcome>) {
+/// The outcome of every shot; `unfinished` says where a job without one stands.
+fn print_table(shots: &[storyboard::Shot], outcomes: &std::collections::HashMap<String, Outcome>, unfinished: impl Fn(&str) -> Option<String>) {
     println!("{:<24} {:<12} {:<4} {:<9} {:>6} {:>9}  detail", "job", "shot", "prio", "status", "images", "render_s");
     let (mut done, mut degraded, mut failed, mut cancelled, mut waiting) = (0, 0, 0, 0, 0);
     // Ids are unique within a project: a board of several projects names its jobs by key.
@@ -611,7 +613,9 @@ fn print_table(shots: &[storyboard::Shot], outcomes: &std::collections::HashMap<
             }
             None => {
                 waiting += 1;
-                ("waiting", "-".into(), "-".into(), "no outcome yet".to_owned())
+                let stands = unfinished(&job.key());
+                let status = if stands.as_deref().is_some_and(|s| s.starts_with("rendering")) { "rendering" } else { "waiting" };
+                (status, "-".into(), "-".into(), stands.unwrap_or_else(|| "no outcome yet".to_owned()))
             }
         };
         println!("{name:<24} {:<12} {:<4} {:<9} {:>6} {:>9}  {detail}", job.shot_id, shot.priority, status, images, render);

@@ -180,17 +180,19 @@ async fn a_wait_that_times_out_shows_what_finished_and_names_what_did_not() {
     let fleet = OneWorker::start().await;
     let dir = tempfile::tempdir().unwrap();
     let board = dir.path().join("board.jsonl");
-    // One job the worker renders, one of a class it does not hold (it waits past the timeout).
-    let line = |id: &str, side: u32| {
-        format!(r#"{{"job_id":"{id}","project":"tw","shot_id":"{id}","prompt":"a boat","width":{side},"height":{side},"steps":2,"guidance":5,"seed":1}}"#)
+    // One job the worker renders, one still rendering at the timeout, one of a class it does
+    // not hold (it waits past the timeout).
+    let line = |id: &str, side: u32, steps: u32| {
+        format!(r#"{{"job_id":"{id}","project":"tw","shot_id":"{id}","prompt":"a boat","width":{side},"height":{side},"steps":{steps},"guidance":5,"seed":1}}"#)
     };
-    std::fs::write(&board, format!("{}\n{}\n", line("tw-small", 64), line("tw-xl", 1600))).unwrap();
+    std::fs::write(&board, format!("{}\n{}\n{}\n", line("tw-small", 64, 2), line("tw-long", 512, 150).replace(r#""seed":1"#, r#""seed":1,"images":4"#), line("tw-xl", 1600, 2))).unwrap();
     let out = shotfleet(&fleet.url(), &["submit", board.to_str().unwrap(), "--wait", "--timeout", "8s"]).await;
     let said = text(&out);
     assert_eq!(out.status.code(), Some(124), "{said}");
     assert!(said.lines().any(|l| l.starts_with("tw-small") && l.contains(" done ")), "{said}");
-    assert!(said.lines().any(|l| l.starts_with("tw-xl") && l.contains(" waiting ")), "{said}");
-    assert!(said.contains("1 of the jobs have no result or failed record yet (tw/tw-xl)"), "{said}");
+    assert!(said.lines().any(|l| l.starts_with("tw-long") && l.contains(" rendering ") && l.contains("step ")), "{said}");
+    assert!(said.lines().any(|l| l.starts_with("tw-xl") && l.contains(" waiting ") && l.contains("waiting in the queue")), "{said}");
+    assert!(said.contains("2 of the jobs have no result or failed record yet (tw/tw-long, tw/tw-xl)"), "{said}");
 }
 
 /// Ids are unique within a project: one board with `shot-1` in two episodes waits for both
@@ -209,4 +211,22 @@ async fn one_id_in_two_projects_is_two_jobs_with_their_own_outcomes() {
     assert!(said.lines().any(|l| l.starts_with("ep1/shot-1 ") && l.contains(" done ")), "{said}");
     assert!(said.lines().any(|l| l.starts_with("ep2/shot-1 ") && l.contains(" failed ")), "{said}");
     assert!(said.contains("1 done, 0 degraded, 1 failed, 0 cancelled"), "{said}");
+}
+
+/// The server gone during `submit --wait`: the wait says so, and goes on until its timeout.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_wait_says_when_nats_is_gone() {
+    let mut fleet = OneWorker::start().await;
+    let board = tempfile::NamedTempFile::with_suffix(".jsonl").unwrap();
+    std::fs::write(board.path(), serde_json::to_string(&job("ng-xl", "ng", (1600, 1600), 1, 1)).unwrap()).unwrap();
+    let (url, args) = (fleet.url(), ["submit", board.path().to_str().unwrap(), "--wait", "--timeout", "10s"]);
+    let waiting = shotfleet(&url, &args);
+    let stop = async {
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        fleet.server.stop();
+    };
+    let (out, ()) = tokio::join!(waiting, stop);
+    let said = text(&out);
+    assert_eq!(out.status.code(), Some(124), "{said}");
+    assert!(said.contains("lost the connection to NATS; reconnecting (the wait goes on)"), "{said}");
 }
