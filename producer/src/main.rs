@@ -588,7 +588,10 @@ fn print_table(shots: &[storyboard::Shot], outcomes: &std::collections::HashMap<
     let (mut done, mut degraded, mut failed, mut cancelled, mut waiting) = (0, 0, 0, 0, 0);
     // Ids are unique within a project: a board of several projects names its jobs by key.
     let several_projects = shots.iter().any(|s| s.job.project != shots[0].job.project);
-    for shot in shots {
+    // In the file's order (submit groups shots by LoRA set to publish them).
+    let mut in_order: Vec<&storyboard::Shot> = shots.iter().collect();
+    in_order.sort_by_key(|s| s.line);
+    for shot in in_order {
         let job = &shot.job;
         let name = if several_projects { job.key() } else { job.job_id.clone() };
         let (status, images, render, detail) = match outcomes.get(&job.key()) {

@@ -54,8 +54,11 @@ impl FromStr for When {
         if let Ok(d) = shotfleet_schema::nats::topology::parse_duration(text) {
             return Ok(Self::Ago(d));
         }
-        async_nats::datetime::parse_rfc3339(text.trim()).map(|t| Self::At(t.into())).map_err(|_| {
-            format!("`{text}` is neither a duration (90s, 20m, 2h, 14d: that long ago) nor an RFC 3339 time (2026-11-30T08:00:00Z)")
+        // A bare date is its midnight, UTC.
+        let text = text.trim();
+        let time = if text.len() == 10 { format!("{text}T00:00:00Z") } else { text.to_owned() };
+        async_nats::datetime::parse_rfc3339(&time).map(|t| Self::At(t.into())).map_err(|_| {
+            format!("`{text}` is neither a duration (90s, 20m, 2h, 14d: that long ago) nor an RFC 3339 time (2026-11-30T08:00:00Z) or date (2026-11-30, UTC)")
         })
     }
 }
@@ -352,6 +355,8 @@ mod tests {
         let offset = "1970-01-02T02:00:00+02:00".parse::<When>().unwrap();
         assert_eq!(offset, When::At(SystemTime::UNIX_EPOCH + Duration::from_secs(86_400)));
         assert!("yesterday".parse::<When>().unwrap_err().contains("RFC 3339"));
+        let day = "1970-01-02".parse::<When>().unwrap().resolve(now);
+        assert_eq!(day, SystemTime::UNIX_EPOCH + Duration::from_secs(86_400), "a bare date is its midnight, UTC");
     }
 
     #[test]
