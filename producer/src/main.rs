@@ -162,6 +162,9 @@ struct GalleryArgs {
     /// The storyboard: its order, and shots without an outcome yet.
     #[arg(long)]
     board: Option<PathBuf>,
+    /// With --board: a column of your own to leave out (as `submit --ignore-column`).
+    #[arg(long = "ignore-column", value_name = "NAME", value_delimiter = ',', requires = "board")]
+    ignore_columns: Vec<String>,
     /// Serve the page on localhost and refresh it as results arrive (Ctrl-C stops).
     #[arg(long)]
     serve: bool,
@@ -228,6 +231,10 @@ struct SubmitArgs {
     /// Publish the valid lines of a file that has bad ones (by default nothing is published).
     #[arg(long)]
     skip_invalid: bool,
+    /// A column (or JSON field) of your own to leave out, such as notes or dialogue; repeatable
+    /// or comma-separated. Any other unknown column is refused, never dropped.
+    #[arg(long = "ignore-column", value_name = "NAME", value_delimiter = ',')]
+    ignore_columns: Vec<String>,
     /// Wait until every job has an outcome; exit 1 if any failed (cancelled ones do not count).
     #[arg(long)]
     wait: bool,
@@ -455,7 +462,7 @@ async fn setup(options: &NatsOptions, args: SetupArgs) -> Result<u8, Failure> {
 }
 
 async fn submit_file(options: &NatsOptions, args: SubmitArgs) -> Result<u8, Failure> {
-    let mut board = storyboard::read(&args.file, &Limits::default())
+    let mut board = storyboard::read(&args.file, &Limits::default(), &args.ignore_columns)
         .with_context(|| format!("cannot read {}", args.file.display()))
         .map_err(bad_input)?;
     for error in &board.errors {
@@ -755,7 +762,7 @@ async fn cancel_jobs(options: &NatsOptions, args: CancelArgs) -> Result<u8, Fail
 async fn make_gallery(options: &NatsOptions, args: GalleryArgs) -> Result<u8, Failure> {
     let store = gallery::store::ImageStore::open(&args.store, std::env::vars()).map_err(|e| bad_input(anyhow::anyhow!(e)))?;
     let board = match &args.board {
-        Some(path) => Some(storyboard::read(path, &Limits::default()).with_context(|| format!("cannot read {}", path.display())).map_err(bad_input)?),
+        Some(path) => Some(storyboard::read(path, &Limits::default(), &args.ignore_columns).with_context(|| format!("cannot read {}", path.display())).map_err(bad_input)?),
         None => None,
     };
     if let (Some(board), Some(path)) = (&board, &args.board) {

@@ -68,11 +68,12 @@ impl Format {
     }
 }
 
-/// Reads and validates a storyboard file.
+/// Reads and validates a storyboard file; `ignore` names the columns (or JSON fields) a person
+/// keeps for themselves (notes, dialogue, camera), left out instead of refused as unknown.
 ///
 /// # Errors
 /// Only when the file cannot be read; bad lines are in [`Storyboard::errors`].
-pub fn read(path: &Path, limits: &Limits) -> std::io::Result<Storyboard> {
+pub fn read(path: &Path, limits: &Limits, ignore: &[String]) -> std::io::Result<Storyboard> {
     let bytes = std::fs::read(path)?;
     let text = String::from_utf8(bytes).map_err(|e| {
         let at = e.utf8_error().valid_up_to();
@@ -85,15 +86,21 @@ pub fn read(path: &Path, limits: &Limits) -> std::io::Result<Storyboard> {
             format!("line {line}: not UTF-8 text (byte {at}); it looks like {was}: save it as UTF-8 (\"CSV UTF-8\" in a spreadsheet)"),
         )
     })?;
-    Ok(parse(&text, Format::detect(path, &text), limits))
+    Ok(parse_ignoring(&text, Format::detect(path, &text), limits, ignore))
 }
 
 /// Parses storyboard text in the given format.
 pub fn parse(text: &str, format: Format, limits: &Limits) -> Storyboard {
+    parse_ignoring(text, format, limits, &[])
+}
+
+/// [`parse`], leaving out the columns or fields named in `ignore` (any case).
+pub fn parse_ignoring(text: &str, format: Format, limits: &Limits, ignore: &[String]) -> Storyboard {
     let text = text.strip_prefix('\u{feff}').unwrap_or(text);
+    let ignore: Vec<String> = ignore.iter().map(|name| name.trim().to_lowercase()).collect();
     let rows = match format {
-        Format::JsonLines => json_rows(text),
-        Format::Csv => csv_rows(text),
+        Format::JsonLines => json_rows(text, &ignore),
+        Format::Csv => csv_rows(text, &ignore),
     };
     let mut board = Storyboard::default();
     let mut seen: HashMap<String, usize> = HashMap::new();
@@ -125,16 +132,16 @@ fn whole_line(line: usize, message: impl Into<String>) -> LineError {
 
 /// One object a line; blank lines and comments (`//` or `#`) are skipped. A file that is one
 /// JSON array of objects (a `.json` export) is read as such, each object's line its own.
-fn json_rows(text: &str) -> Vec<Row> {
+fn json_rows(text: &str, ignore: &[String]) -> Vec<Row> {
     if text.trim_start().starts_with('[') {
-        return json_array_rows(text);
+        return json_array_rows(text, ignore);
     }
     text.lines()
         .enumerate()
         .map(|(i, l)| (i + 1, l.trim()))
         .filter(|(_, l)| !l.is_empty() && !l.starts_with("//") && !l.starts_with('#'))
         .map(|(line, l)| match serde_json::from_str::<Value>(l) {
-            Ok(Value::Object(object)) => known_fields(line, object),
+            Ok(Value::Object(object)) => known_fields(line, object, ignore),
             Ok(_) => Err(whole_line(line, "expected a JSON object")),
             Err(e) => Err(whole_line(line, format!("not valid JSON: {e}"))),
         })
@@ -142,7 +149,7 @@ fn json_rows(text: &str) -> Vec<Row> {
 }
 
 /// The objects of a JSON array, each named by the line it starts on.
-fn json_array_rows(text: &str) -> Vec<Row> {
+fn json_array_rows(text: &str, ignore: &[String]) -> Vec<Row> {
     // Raw elements borrow the text, so where each starts is where its slice starts.
     let elements: Vec<&serde_json::value::RawValue> = match serde_json::from_str(text) {
         Ok(elements) => elements,
@@ -155,7 +162,7 @@ fn json_array_rows(text: &str) -> Vec<Row> {
             let at = raw.get().as_ptr() as usize - text.as_ptr() as usize;
             let line = text[..at].matches('\n').count() + 1;
             match serde_json::from_str(raw.get()) {
-                Ok(Value::Object(object)) => known_fields(line, object),
+                Ok(Value::Object(object)) => known_fields(line, object, ignore),
                 _ => Err(whole_line(line, format!("element {} of the array is not a JSON object", i + 1))),
             }
         })
@@ -170,12 +177,13 @@ const JSON_FIELDS: [&str; 15] = [
 
 /// The object when every field is one a shot has: a misspelt field (`lora`, `image`,
 /// `negativ_prompt`) would else be dropped and the shot rendered without it, unsaid.
-fn known_fields(line: usize, object: Map<String, Value>) -> Row {
+fn known_fields(line: usize, mut object: Map<String, Value>, ignore: &[String]) -> Row {
+    object.retain(|name, _| !ignore.contains(&name.to_lowercase()));
     if let Some(unknown) = object.keys().find(|k| !JSON_FIELDS.contains(&k.as_str())) {
         let message = if unknown == "degrade" {
             "set by workers only: leave it out".to_owned()
         } else {
-            format!("unknown field; {}known fields are {}", nearest(unknown, &JSON_FIELDS), JSON_FIELDS.join(", "))
+            format!("unknown field; {}known fields are {} (`--ignore-column {unknown}` leaves it out)", nearest(unknown, &JSON_FIELDS), JSON_FIELDS.join(", "))
         };
         return Err(LineError { line, field: unknown.clone(), message });
     }
@@ -259,7 +267,7 @@ fn runaway_quotes(text: &str, separator: u8) -> Vec<RunawayQuote> {
     found
 }
 
-fn csv_rows(text: &str) -> Vec<Row> {
+fn csv_rows(text: &str, ignore: &[String]) -> Vec<Row> {
     let separator = delimiter(text);
     let mut reader = csv::ReaderBuilder::new().flexible(false).delimiter(separator).trim(csv::Trim::All).from_reader(text.as_bytes());
     let headers = match reader.headers() {
@@ -274,9 +282,14 @@ fn csv_rows(text: &str) -> Vec<Row> {
     if let Some(blank) = headers.iter().position(str::is_empty) {
         return vec![Err(whole_line(1, format!("column {} of the header is empty (a trailing separator?)", blank + 1)))];
     }
-    if let Some(unknown) = headers.iter().find(|h| !NUMERIC_COLUMNS.contains(h) && !TEXT_COLUMNS.contains(h)) {
+    let ignored = |name: &str| ignore.iter().any(|i| i == name);
+    if let Some(unknown) = headers.iter().find(|h| !NUMERIC_COLUMNS.contains(h) && !TEXT_COLUMNS.contains(h) && !ignored(h)) {
         let known: Vec<&str> = TEXT_COLUMNS.iter().chain(NUMERIC_COLUMNS.iter()).copied().collect();
-        let message = format!("unknown column; {}known columns are {}", nearest(unknown, &known), known.join(", "));
+        let message = format!(
+            "unknown column; {}known columns are {} (a column of your own, notes or dialogue: `--ignore-column {unknown}` leaves it out)",
+            nearest(unknown, &known),
+            known.join(", ")
+        );
         return vec![Err(LineError { line: 1, field: unknown.to_owned(), message })];
     }
     let runaways = runaway_quotes(text, separator);
@@ -297,12 +310,13 @@ fn csv_rows(text: &str) -> Vec<Row> {
                 return Err(whole_line(runaway.opened, runaway.message()));
             }
             // A spreadsheet's export ends in rows of empty cells: nothing, as a blank line is.
-            if record.iter().all(|cell| cell.trim().is_empty()) {
+            // So is a row of the ignored columns alone (a scene's heading in a notes column).
+            if headers.iter().zip(record.iter()).all(|(name, cell)| ignored(name) || cell.trim().is_empty()) {
                 return Ok(None);
             }
             let mut object = Map::new();
             for (name, cell) in headers.iter().zip(record.iter()) {
-                if cell.is_empty() {
+                if cell.is_empty() || ignored(name) {
                     continue;
                 }
                 let value = if NUMERIC_COLUMNS.contains(&name) {
@@ -620,6 +634,23 @@ not json
         assert!(twice.errors[0].message.contains("in the header twice"), "{:?}", twice.errors);
         let trailing = parse("job_id,project,\na,p,\n", Format::Csv, &Limits::default());
         assert!(trailing.errors[0].message.contains("column 3 of the header is empty"), "{:?}", trailing.errors);
+    }
+
+    #[test]
+    fn a_persons_own_columns_are_left_out_when_named() {
+        let text = "Scene,job_id,project,shot_id,prompt,width,height,steps,guidance,seed,Notes\n\
+                    \"Scene 1: the harbour\",,,,,,,,,,\n\
+                    1,a1,p,s1,x,64,64,2,5,1,\"wide, dawn\"\n";
+        let refused = parse(text, Format::Csv, &Limits::default());
+        assert_eq!(refused.errors[0].field, "scene", "{:?}", refused.errors);
+        assert!(refused.errors[0].message.contains("`--ignore-column scene` leaves it out"), "{}", refused.errors[0].message);
+        let ignore = ["scene".to_owned(), "NOTES".to_owned()];
+        let board = parse_ignoring(text, Format::Csv, &Limits::default(), &ignore);
+        assert!(board.errors.is_empty(), "a heading row of the ignored columns alone is skipped: {:?}", board.errors);
+        assert_eq!(board.shots.len(), 1);
+        let json = format!("{{{SHOT},\"notes\":\"wide\"}}");
+        assert_eq!(parse(&json, Format::JsonLines, &Limits::default()).errors[0].field, "notes");
+        assert!(parse_ignoring(&json, Format::JsonLines, &Limits::default(), &ignore).errors.is_empty());
     }
 
     #[test]
