@@ -832,7 +832,7 @@ async fn replay_failed(options: &NatsOptions, args: ReplayArgs) -> Result<u8, Fa
         println!(
             "{action:<13} {:>6}  {:<24} {:<14} {:>8}  {:<24} {:>5}  {}",
             record.seq,
-            record.job_id.as_deref().unwrap_or("-"),
+            record.job_name(),
             if record.reason.is_empty() { "-" } else { &record.reason },
             if record.attempts.is_empty() { "-" } else { &record.attempts },
             record.original_subject.as_deref().unwrap_or("-"),
@@ -840,7 +840,7 @@ async fn replay_failed(options: &NatsOptions, args: ReplayArgs) -> Result<u8, Fa
             record.detail,
         );
         if let replay::Outcome::Skipped { why } | replay::Outcome::Kept { why } = outcome {
-            problems.push(format!("seq {} (job {}): {why}", record.seq, record.job_id.as_deref().unwrap_or("-")));
+            problems.push(format!("seq {} (job {}): {why}", record.seq, record.job_name()));
         }
     })
     .await;

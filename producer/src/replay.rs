@@ -83,6 +83,16 @@ pub struct FailedRecord {
 }
 
 impl FailedRecord {
+    /// How a table names the record's job: `<project>/<job_id>` (ids are unique within a
+    /// project only), the id alone, or `-` for a payload without one.
+    pub fn job_name(&self) -> String {
+        match (&self.project, &self.job_id) {
+            (Some(project), Some(job_id)) => shotfleet_schema::job::key(project, job_id),
+            (None, Some(job_id)) => job_id.clone(),
+            (_, None) => "-".into(),
+        }
+    }
+
     fn from_message(message: StreamMessage) -> Self {
         let header = |name: &str| message.headers.get(name).map(|v| v.as_str().to_owned());
         let subject = message.subject.to_string();

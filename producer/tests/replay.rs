@@ -122,9 +122,9 @@ async fn a_dry_run_lists_every_record_and_changes_nothing() {
         let listed = rows(&out, "would replay");
         assert_eq!(listed.len(), 3, "{binary:?}: {}", text(&out));
         for (row, seq, job, reason, subject) in [
-            (&listed[0], a, "ep1-s1", "oom", "shots.p1.s.acme"),
-            (&listed[1], b, "ep1-s2", "driver", "shots.p0.s.acme"),
-            (&listed[2], c, "moth-s3", "max_deliveries", "shots.p1.s.moth"),
+            (&listed[0], a, "acme/ep1-s1", "oom", "shots.p1.s.acme"),
+            (&listed[1], b, "acme/ep1-s2", "driver", "shots.p0.s.acme"),
+            (&listed[2], c, "moth/moth-s3", "max_deliveries", "shots.p1.s.moth"),
         ] {
             let columns: Vec<&str> = row.split_whitespace().collect();
             assert_eq!(columns[2..7], [seq.to_string().as_str(), job, reason, "3", subject][..], "{row}");
@@ -162,16 +162,16 @@ async fn filters_select_by_reason_project_job_and_time() {
             rows(&out, "would replay").iter().map(|r| r.split_whitespace().nth(3).unwrap().to_owned()).collect::<Vec<_>>()
         }
     };
-    assert_eq!(listed(&["--reason", "oom"], None).await, ["early-oom"]);
-    assert_eq!(listed(&["--reason", "oom", "--reason", "invalid"], None).await, ["early-oom", "late-invalid"]);
-    assert_eq!(listed(&["--project", "acme"], None).await, ["early-oom", "late-driver"]);
+    assert_eq!(listed(&["--reason", "oom"], None).await, ["acme/early-oom"]);
+    assert_eq!(listed(&["--reason", "oom", "--reason", "invalid"], None).await, ["acme/early-oom", "moth/late-invalid"]);
+    assert_eq!(listed(&["--project", "acme"], None).await, ["acme/early-oom", "acme/late-driver"]);
     assert_eq!(listed(&["--project", "acme", "--project", "moth"], None).await.len(), 3);
-    assert_eq!(listed(&["--project", "acme", "--reason", "driver"], None).await, ["late-driver"]);
-    assert_eq!(listed(&["--job", "late-invalid"], None).await, ["late-invalid"]);
+    assert_eq!(listed(&["--project", "acme", "--reason", "driver"], None).await, ["acme/late-driver"]);
+    assert_eq!(listed(&["--job", "late-invalid"], None).await, ["moth/late-invalid"]);
     assert_eq!(listed(&["--since", "1h"], None).await.len(), 3);
     assert!(listed(&["--until", "1h"], None).await.is_empty());
-    assert_eq!(listed(&["--until"], Some(between.clone())).await, ["early-oom"]);
-    assert_eq!(listed(&["--since"], Some(between.clone())).await, ["late-driver", "late-invalid"]);
+    assert_eq!(listed(&["--until"], Some(between.clone())).await, ["acme/early-oom"]);
+    assert_eq!(listed(&["--since"], Some(between.clone())).await, ["acme/late-driver", "moth/late-invalid"]);
 
     let out = shotfleet(&server.url(), &["replay", "--reason", "stale"]).await;
     assert_eq!(out.status.code(), Some(2), "{}", text(&out));
@@ -283,11 +283,11 @@ async fn a_record_with_a_bad_original_subject_is_kept_and_reported() {
         assert_eq!(out.status.code(), Some(1), "{binary:?}: {}", text(&out));
         let message = text(&out);
         assert!(
-            message.contains(&format!("seq {missing} (job no-subject): no Shotfleet-Original-Subject header")),
+            message.contains(&format!("seq {missing} (job acme/no-subject): no Shotfleet-Original-Subject header")),
             "{message}"
         );
         assert!(
-            message.contains(&format!("seq {wrong} (job wrong): Shotfleet-Original-Subject is not a job subject")),
+            message.contains(&format!("seq {wrong} (job acme/wrong): Shotfleet-Original-Subject is not a job subject")),
             "{message}"
         );
         assert!(message.contains("replayed 1, duplicates 0, skipped 0, could not replay 2"), "{message}");
