@@ -265,7 +265,7 @@ struct ReplayArgs {
     /// Only records of this project (repeatable).
     #[arg(long = "project", value_name = "PROJECT", value_parser = parse_project)]
     projects: Vec<String>,
-    /// Only the records of this job (repeatable).
+    /// Only the records of this job, by id or `<project>/<job_id>` (repeatable).
     #[arg(long = "job", value_name = "JOB_ID")]
     jobs: Vec<String>,
     /// Only records failed at or after this: a duration ago (2h, 30m, 1d) or an RFC 3339 time.

@@ -146,7 +146,9 @@ impl Filter {
     fn matches(&self, record: &FailedRecord) -> bool {
         let reason_ok = self.reasons.is_empty() || record.reason().is_some_and(|r| self.reasons.contains(&r));
         let project_ok = self.projects.is_empty() || record.project.as_ref().is_some_and(|p| self.projects.contains(p));
-        let job_ok = self.jobs.is_empty() || record.job_id.as_ref().is_some_and(|j| self.jobs.contains(j));
+        // A job by id, or by `<project>/<job_id>` as the table names it.
+        let job_ok = self.jobs.is_empty()
+            || record.job_id.as_ref().is_some_and(|j| self.jobs.contains(j) || self.jobs.contains(&record.job_name()));
         let since_ok = self.since.is_none_or(|t| record.written >= t);
         let until_ok = self.until.is_none_or(|t| record.written <= t);
         reason_ok && project_ok && job_ok && since_ok && until_ok

@@ -168,6 +168,8 @@ async fn filters_select_by_reason_project_job_and_time() {
     assert_eq!(listed(&["--project", "acme", "--project", "moth"], None).await.len(), 3);
     assert_eq!(listed(&["--project", "acme", "--reason", "driver"], None).await, ["acme/late-driver"]);
     assert_eq!(listed(&["--job", "late-invalid"], None).await, ["moth/late-invalid"]);
+    assert_eq!(listed(&["--job", "moth/late-invalid"], None).await, ["moth/late-invalid"], "by key, as the table names it");
+    assert!(listed(&["--job", "acme/late-invalid"], None).await.is_empty(), "another project's key");
     assert_eq!(listed(&["--since", "1h"], None).await.len(), 3);
     assert!(listed(&["--until", "1h"], None).await.is_empty());
     assert_eq!(listed(&["--until"], Some(between.clone())).await, ["acme/early-oom"]);
