@@ -209,13 +209,17 @@ pub mod msg_id {
     pub fn again(project: &str, job_id: &str, after: u64) -> String {
         format!("{}:again:{after}", job(project, job_id))
     }
-    /// A job re-published by a worker from `auto` (or a wrong class) to its class subject.
-    pub fn route(project: &str, job_id: &str) -> String {
-        format!("{}:route", job(project, job_id))
+    /// A job re-published by a worker from `auto` (or a wrong class) to its class subject, from
+    /// its message at `from` (the stream sequence): a redelivery of that message publishes
+    /// nothing twice, and a later request of the job (a replay, `submit --again`) is a copy of
+    /// its own, not a duplicate dropped with the job in it.
+    pub fn route(project: &str, job_id: &str, from: u64) -> String {
+        format!("{}:route:{from}", job(project, job_id))
     }
-    /// A job re-published one rung down the degrade ladder.
-    pub fn degrade(project: &str, job_id: &str, level: u32) -> String {
-        format!("{}:deg:{level}", job(project, job_id))
+    /// A job re-published one rung down the degrade ladder from its message at `from`, as
+    /// [`route`].
+    pub fn degrade(project: &str, job_id: &str, level: u32, from: u64) -> String {
+        format!("{}:deg:{level}:{from}", job(project, job_id))
     }
     /// A failed record of the job message at `stream_sequence`.
     pub fn failed(job_id: &str, stream_sequence: u64) -> String {

@@ -37,7 +37,8 @@ async fn out_of_memory_goes_down_the_ladder_to_a_smaller_worker() {
     let mut j = job("oom-1", "acme", (768, 768), 2, 1);
     j.floor = Some(Floor { min_side: 256, min_steps: 2 });
     let s = shot(Priority::P1, j);
-    submit(&js, std::slice::from_ref(&s)).await;
+    let mut original = 0;
+    shotfleet_producer::submit::submit(&js, std::slice::from_ref(&s), Default::default(), |_, ack| original = ack.sequence).await.unwrap();
     let result = results(&outcomes(&js, &[s], Duration::from_secs(90)).await).remove(0);
     assert_eq!(result.worker, "small-card", "{}", big.log());
     assert_eq!(result.status, ResultStatus::Degraded);
@@ -50,9 +51,9 @@ async fn out_of_memory_goes_down_the_ladder_to_a_smaller_worker() {
     let log = big.log();
     assert!(log.contains("BFCArena::AllocateRawInternal"), "{log}");
     assert!(big.metrics().contains("outcome=\"degrade_republished\""), "{}", big.metrics());
-    // The degraded copy was published as `<project>/<job>:deg:1`.
+    // The degraded copy was published as `<project>/<job>:deg:1:<the original's sequence>`.
     let mut headers = async_nats::HeaderMap::new();
-    headers.insert("Nats-Msg-Id", "acme/oom-1:deg:1");
+    headers.insert("Nats-Msg-Id", format!("acme/oom-1:deg:1:{original}").as_str());
     let ack = js.publish_with_headers("shots.p1.xs.acme", headers, "{}".into()).await.unwrap().await.unwrap();
     assert!(ack.duplicate);
 }

@@ -66,23 +66,27 @@ async fn auto_and_wrong_class_jobs_are_routed_then_rendered() {
     // One job on `auto`, one on the wrong class (a 64x64 job on `s`), both as a foreign client
     // would publish them.
     let client = async_nats::connect(server.url()).await.unwrap();
+    let mut sequences = Vec::new();
     for (subject_name, j) in [
         ("shots.p1.auto.acme", job("r-auto", "acme", (64, 64), 2, 1)),
         ("shots.p1.s.acme", job("r-wrong", "acme", (64, 64), 2, 1)),
     ] {
         let mut headers = async_nats::HeaderMap::new();
         headers.insert("Nats-Msg-Id", j.job_id.as_str());
-        js.publish_with_headers(subject_name, headers, serde_json::to_vec(&j).unwrap().into()).await.unwrap().await.unwrap();
+        let ack = js.publish_with_headers(subject_name, headers, serde_json::to_vec(&j).unwrap().into()).await.unwrap().await.unwrap();
+        sequences.push(ack.sequence);
     }
     drop(client);
     let shots = vec![shot(Priority::P1, job("r-auto", "acme", (64, 64), 2, 1)), shot(Priority::P1, job("r-wrong", "acme", (64, 64), 2, 1))];
     let outcomes = outcomes(&js, &shots, Duration::from_secs(60)).await;
     assert_eq!(results(&outcomes).len(), 2);
-    // The routed copies carry `<project>/<job>:route` ids: publishing one again is a duplicate.
+    // The routed copies carry `<project>/<job>:route:<the original's sequence>` ids: publishing
+    // one again is a duplicate.
+    let id = format!("acme/r-auto:route:{}", sequences[0]);
     let mut headers = async_nats::HeaderMap::new();
-    headers.insert("Nats-Msg-Id", "acme/r-auto:route");
+    headers.insert("Nats-Msg-Id", id.as_str());
     let ack = js.publish_with_headers("shots.p1.xs.acme", headers, "{}".into()).await.unwrap().await.unwrap();
-    assert!(ack.duplicate, "the worker published the routed copy with Msg-Id acme/r-auto:route");
+    assert!(ack.duplicate, "the worker published the routed copy with Msg-Id {id}");
 }
 
 #[tokio::test]

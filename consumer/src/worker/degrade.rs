@@ -52,7 +52,8 @@ pub fn next_rung(job: &ShotJob, ladder: &DegradeConfig) -> Option<ShotJob> {
 }
 
 /// Publishes `smaller` (from [`next_rung`]) to its class subject at the original's priority,
-/// with `Nats-Msg-Id <project>/<job>:deg:<level>`, and waits for the server to store it.
+/// with `Nats-Msg-Id <project>/<job>:deg:<level>:<the original's stream sequence>`, and waits
+/// for the server to store it.
 ///
 /// # Errors
 /// A transient [`JobError`]: the original must be kept.
@@ -61,7 +62,7 @@ pub async fn republish(shared: &Shared, delivery: &Delivery, smaller: &ShotJob) 
     let target = subject::job(delivery.origin.priority, SubjectClass::Class(smaller.class()), &smaller.project);
     let mut headers = async_nats::HeaderMap::new();
     headers.insert(encoding::HEADER, ContentType::MessagePack.as_str());
-    headers.insert("Nats-Msg-Id", subject::msg_id::degrade(&smaller.project, &smaller.job_id, level).as_str());
+    headers.insert("Nats-Msg-Id", subject::msg_id::degrade(&smaller.project, &smaller.job_id, level, delivery.stream_sequence).as_str());
     let payload = encoding::encode(ContentType::MessagePack, smaller);
     let stored = match shared.js.publish_with_headers(target.clone(), headers, payload.into()).await {
         Ok(ack) => ack.await.map(drop).map_err(|e| e.to_string()),

@@ -21,7 +21,7 @@ pub fn needs_routing(delivery: &Delivery, job: &ShotJob) -> bool {
 pub async fn reroute(shared: &Shared, delivery: &Delivery, job: &ShotJob) -> Result<(), JobError> {
     let target = subject::job(delivery.origin.priority, SubjectClass::Class(job.class()), &job.project);
     let content_type = delivery.content_type();
-    let id = subject::msg_id::route(&job.project, &job.job_id);
+    let id = subject::msg_id::route(&job.project, &job.job_id, delivery.stream_sequence);
     let mut pairs = vec![("Nats-Msg-Id", id.as_str())];
     pairs.extend(content_type.as_deref().map(|ct| (encoding::HEADER, ct)));
     let headers = shotfleet_schema::nats::header_map(pairs);
