@@ -160,13 +160,14 @@ impl Live {
         }
     }
 
-    /// Where the unfinished job of key `job` stands, for a table of what did not finish.
-    pub fn unfinished(&self, job: &str) -> Option<String> {
+    /// Where the unfinished job of key `job` stands, for a table of what did not finish: its
+    /// status (`waiting` or `rendering`) and what is known of it.
+    pub fn unfinished(&self, job: &str) -> Option<(&'static str, String)> {
         match self.stages.get(job)? {
-            Stage::Waiting { position: 0 } => Some("waiting in the queue".into()),
-            Stage::Waiting { position } => Some(format!("waiting in the queue, #{position}")),
-            Stage::Requeued(why) => Some(format!("given back to the queue: {why}")),
-            Stage::Rendering(event) => Some(format!("rendering: {}", describe(event))),
+            Stage::Waiting { position: 0 } => Some(("waiting", "waiting in the queue".into())),
+            Stage::Waiting { position } => Some(("waiting", format!("waiting in the queue, #{position}"))),
+            Stage::Requeued(why) => Some(("waiting", format!("given back to the queue: {why}"))),
+            Stage::Rendering(event) => Some(("rendering", describe(event))),
             Stage::Finished => None,
         }
     }

@@ -566,10 +566,7 @@ async fn submit_file(options: &NatsOptions, args: SubmitArgs) -> Result<u8, Fail
 
 /// Why the duplicates of a submission were not queued, and what was queued again.
 fn print_duplicates(summary: &submit::SubmitSummary) {
-    let some = |keys: &[String]| {
-        let more = if keys.len() > 5 { ", …" } else { "" };
-        format!("{}{more}", keys.iter().take(5).cloned().collect::<Vec<_>>().join(", "))
-    };
+    let some = |keys: &[String]| wait::listed(keys, 5);
     // A changed line under an old id is the easy mistake: the server compares ids, not shots.
     if !summary.rendered.is_empty() {
         let n = summary.rendered.len();
@@ -579,18 +576,33 @@ fn print_duplicates(summary: &submit::SubmitSummary) {
         let n = summary.ended.len();
         println!("  {n} ended failed or cancelled: `--again` queues them again ({})", some(&summary.ended));
     }
-    let known: std::collections::HashSet<&String> = summary.rendered.iter().chain(&summary.ended).collect();
+    let known: std::collections::HashSet<&String> = summary.rendered.iter().chain(&summary.ended).chain(&summary.unknown).collect();
     let to_come: Vec<String> = summary.duplicates.iter().filter(|k| !known.contains(k)).cloned().collect();
     if !to_come.is_empty() {
         println!("  {} without an outcome yet: still queued or rendering ({})", to_come.len(), some(&to_come));
     }
+    if !summary.unknown.is_empty() {
+        let n = summary.unknown.len();
+        println!(
+            "  {n} whose earlier request cannot be read (this role may not read it, or no answer came): `--again` leaves them; a new job_id renders a shot afresh ({})",
+            some(&summary.unknown)
+        );
+    }
     if !summary.again.is_empty() {
         println!("queued {} job(s) again: they had ended failed or cancelled ({})", summary.again.len(), some(&summary.again));
+    }
+    if !summary.again_before.is_empty() {
+        let n = summary.again_before.len();
+        println!("{n} job(s) already queued again by an earlier --again, still to come ({})", some(&summary.again_before));
     }
 }
 
 /// The outcome of every shot; `unfinished` says where a job without one stands.
-fn print_table(shots: &[storyboard::Shot], outcomes: &std::collections::HashMap<String, Outcome>, unfinished: impl Fn(&str) -> Option<String>) {
+fn print_table(
+    shots: &[storyboard::Shot],
+    outcomes: &std::collections::HashMap<String, Outcome>,
+    unfinished: impl Fn(&str) -> Option<(&'static str, String)>,
+) {
     println!("{:<24} {:<12} {:<4} {:<9} {:>6} {:>9}  detail", "job", "shot", "prio", "status", "images", "render_s");
     let (mut done, mut degraded, mut failed, mut cancelled, mut waiting) = (0, 0, 0, 0, 0);
     // Ids are unique within a project: a board of several projects names its jobs by key.
@@ -623,9 +635,8 @@ fn print_table(shots: &[storyboard::Shot], outcomes: &std::collections::HashMap<
             }
             None => {
                 waiting += 1;
-                let stands = unfinished(&job.key());
-                let status = if stands.as_deref().is_some_and(|s| s.starts_with("rendering")) { "rendering" } else { "waiting" };
-                (status, "-".into(), "-".into(), stands.unwrap_or_else(|| "no outcome yet".to_owned()))
+                let (status, stands) = unfinished(&job.key()).unwrap_or(("waiting", "no outcome yet".to_owned()));
+                (status, "-".into(), "-".into(), stands)
             }
         };
         println!("{name:<24} {:<12} {:<4} {:<9} {:>6} {:>9}  {detail}", job.shot_id, shot.priority, status, images, render);

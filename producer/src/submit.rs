@@ -57,6 +57,11 @@ pub struct SubmitSummary {
     pub ended: Vec<String>,
     /// Jobs whose duplicate ended failed or cancelled, queued again (`again`); by key.
     pub again: Vec<String>,
+    /// Jobs `again` found queued again by an earlier `--again` (their copy still waits).
+    pub again_before: Vec<String>,
+    /// Of the duplicates: those whose state could not be read (the look-ups were refused or
+    /// not answered, or an outcome does not say which request it settles). `again` leaves them.
+    pub unknown: Vec<String>,
     /// Of the duplicates: those whose message is still queued (or being rendered), with when
     /// it was published. A failure before that is an earlier request's, not this one's fate (a
     /// server restart forgets the window of messages no longer stored, so a job failed before
@@ -131,27 +136,42 @@ pub async fn submit(
     // published), or its job's last outcome.
     let queued_at = still_queued(js, duplicates.iter().map(|(i, ack)| (*i, ack.sequence)).collect()).await;
     let last = last_outcomes(js, duplicates.iter().map(|(i, _)| (*i, &shots[*i].job)).collect()).await;
+    let last_read = last.answered;
     let mut again = Vec::new();
     let mut kept = Vec::new();
     for (index, ack) in duplicates {
         let job = &shots[index].job;
-        match (queued_at.get(&index), last.get(&index)) {
-            (_, Some(o)) if o.result.is_rendered() => summary.rendered.push(job.key()),
-            (Some(at), _) => {
-                summary.queued_at.insert(job.key(), *at);
+        let last = last.found.get(&index);
+        // Whether the job's last failure or cancellation settled this message (or a later copy
+        // of it): the outcome says which messages it settles; an older one that does not, the
+        // jobs stream where this role may read it (the message is gone). `None`: neither says.
+        let settled = |o: &Outcome| o.settles_through.map(|through| through >= ack.sequence).or(queued_at.answered.then_some(true));
+        match last {
+            Some(o) if o.result.is_rendered() => summary.rendered.push(job.key()),
+            _ if queued_at.found.contains_key(&index) => {
+                summary.queued_at.insert(job.key(), queued_at.found[&index]);
             }
-            (None, Some(o)) if options.again => {
-                again.push((index, message_with_id(&shots[index], options.content_type, subject::msg_id::again(&job.project, &job.job_id, o.sequence))));
-                continue;
-            }
-            (None, Some(_)) => summary.ended.push(job.key()),
-            (None, None) => {}
+            Some(o) => match settled(o) {
+                Some(true) if options.again => {
+                    let id = subject::msg_id::again(&job.project, &job.job_id, o.sequence);
+                    again.push((index, message_with_id(&shots[index], options.content_type, id)));
+                    continue;
+                }
+                Some(true) => summary.ended.push(job.key()),
+                // An earlier request's outcome: this message is still to come.
+                Some(false) => {}
+                None => summary.unknown.push(job.key()),
+            },
+            None if last_read => {}
+            None => summary.unknown.push(job.key()),
         }
         summary.duplicates.push(job.key());
         kept.push((index, ack));
     }
     publish_all(js, again.into_iter(), shots, options, |index, ack| {
-        summary.again.push(shots[index].job.key());
+        let key = shots[index].job.key();
+        // Asked again while the first copy waits: the server keeps one.
+        if ack.duplicate { summary.again_before.push(key) } else { summary.again.push(key) }
         on_ack(&shots[index], &ack);
         None::<()>
     })
@@ -196,39 +216,39 @@ async fn publish_all<T>(
     Ok(kept)
 }
 
+/// What [`look_up_each`] found, by a shot's index, and whether the look-ups were answered.
+struct Found<T> {
+    found: HashMap<usize, T>,
+    answered: bool,
+}
+
 /// When each duplicate's message (a shot's index and the sequence its PubAck names), if still
 /// in the jobs stream, was published: queued or being rendered, its outcome is to come.
-async fn still_queued(js: &jetstream::Context, duplicates: Vec<(usize, u64)>) -> HashMap<usize, SystemTime> {
-    if duplicates.is_empty() {
-        return HashMap::new();
-    }
-    let Ok(stream) = js.get_stream_no_info(subject::JOBS_STREAM).await else { return HashMap::new() };
-    let found = look_up_each(duplicates, |(index, sequence)| {
+async fn still_queued(js: &jetstream::Context, duplicates: Vec<(usize, u64)>) -> Found<SystemTime> {
+    let Ok(stream) = js.get_stream_no_info(subject::JOBS_STREAM).await else { return Found { found: HashMap::new(), answered: false } };
+    look_up_each(duplicates, |(index, sequence)| {
         let stream = stream.clone();
         async move { stream.get_raw_message(sequence).await.ok().map(|m| (index, SystemTime::from(m.time))) }
-    });
-    found.await.into_iter().collect()
+    })
+    .await
 }
 
 /// The last outcome of each job (by its shot's index) that has one.
-async fn last_outcomes(js: &jetstream::Context, jobs: Vec<(usize, &ShotJob)>) -> HashMap<usize, Outcome> {
-    if jobs.is_empty() {
-        return HashMap::new();
-    }
-    let Ok(stream) = js.get_stream_no_info(subject::RESULTS_STREAM).await else { return HashMap::new() };
-    let found = look_up_each(jobs, |(index, job)| {
+async fn last_outcomes(js: &jetstream::Context, jobs: Vec<(usize, &ShotJob)>) -> Found<Outcome> {
+    let Ok(stream) = js.get_stream_no_info(subject::RESULTS_STREAM).await else { return Found { found: HashMap::new(), answered: false } };
+    look_up_each(jobs, |(index, job)| {
         let stream = stream.clone();
         async move { outcome::last(&stream, &job.project, &job.job_id).await.ok().flatten().map(|o| (index, o)) }
-    });
-    found.await.into_iter().collect()
+    })
+    .await
 }
 
 /// Runs `look_up` over `items`, 16 at a time, each bounded by a second. A producer role may be
 /// refused a look-up, and a refused request is never answered: the first one tells, and the
-/// rest are then not asked (what they would have said stays unknown).
-async fn look_up_each<I, T, F>(items: Vec<I>, look_up: impl Fn(I) -> F) -> Vec<T>
+/// rest are then not asked (`answered` false: what they would have said stays unknown).
+async fn look_up_each<I, T, F>(items: Vec<I>, look_up: impl Fn(I) -> F) -> Found<T>
 where
-    F: Future<Output = Option<T>>,
+    F: Future<Output = Option<(usize, T)>>,
 {
     const EACH: Duration = Duration::from_secs(1);
     // `None`: no answer in time; `Some(None)`: answered, nothing found.
@@ -237,13 +257,14 @@ where
         async move { tokio::time::timeout(EACH, asked).await.ok() }
     };
     let mut items = items.into_iter();
-    let mut found = Vec::new();
+    let mut found = Found { found: HashMap::new(), answered: false };
     let Some(first) = items.next() else { return found };
     match bounded(first).await {
-        Some(answer) => found.extend(answer),
+        Some(answer) => found.found.extend(answer),
         None => return found,
     }
+    found.answered = true;
     let rest: Vec<_> = futures::stream::iter(items.map(bounded)).buffer_unordered(16).collect().await;
-    found.extend(rest.into_iter().flatten().flatten());
+    found.found.extend(rest.into_iter().flatten().flatten());
     found
 }

@@ -55,7 +55,7 @@ impl Awaited {
 pub enum WaitError {
     #[error("cannot follow {what}: {detail}")]
     Follow { what: String, detail: String },
-    #[error("gave up after {after:?}: {} of the jobs have no result or failed record yet ({})", pending.len(), listed(pending))]
+    #[error("gave up after {after:?}: {} of the jobs have no result or failed record yet ({})", pending.len(), listed(pending, 10))]
     TimedOut {
         after: Duration,
         /// The jobs without an outcome, by key.
@@ -65,10 +65,10 @@ pub enum WaitError {
     },
 }
 
-/// The first few ids, for a message.
-fn listed(ids: &[String]) -> String {
-    let more = if ids.len() > 10 { format!(", and {} more", ids.len() - 10) } else { String::new() };
-    format!("{}{more}", ids.iter().take(10).cloned().collect::<Vec<_>>().join(", "))
+/// The first `first` of `ids`, and how many more, for a message.
+pub fn listed(ids: &[String], first: usize) -> String {
+    let more = if ids.len() > first { format!(", and {} more", ids.len() - first) } else { String::new() };
+    format!("{}{more}", ids.iter().take(first).cloned().collect::<Vec<_>>().join(", "))
 }
 
 /// Follows results and failed records until every job in `jobs` has an outcome; the outcomes

@@ -134,8 +134,10 @@ async fn a_duplicate_of_a_queued_job_waits_for_its_own_outcome_not_an_older_fail
     let out = shotfleet(&server.url(), &["submit", board.to_str().unwrap()]).await;
     assert!(out.status.success() && text(&out).contains("queued 1 job(s)"), "{}", text(&out));
     // A duplicate of that queued message: its outcome is still to come.
-    let out = shotfleet(&server.url(), &["submit", board.to_str().unwrap(), "--wait", "--timeout", "3s"]).await;
+    // `--again` queues nothing more: the old failure is an earlier request's.
+    let out = shotfleet(&server.url(), &["submit", board.to_str().unwrap(), "--again", "--wait", "--timeout", "3s"]).await;
     assert!(text(&out).contains("1 without an outcome yet: still queued") && !text(&out).contains("failed invalid"), "{}", text(&out));
+    assert!(!text(&out).contains("again:"), "{}", text(&out));
     assert_ne!(out.status.code(), Some(1), "the old failure was taken for this request's: {}", text(&out));
 }
 

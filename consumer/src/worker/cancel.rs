@@ -151,7 +151,8 @@ async fn cancel_one(shared: &Shared, project: &str, job_id: &str, shot_id: &str,
     }
     let expected = last.as_ref().map_or(0, |o| o.sequence);
     let cancelled = cancelled_outcome(shared, project, job_id, &shot_id, by);
-    match commit::claim_as(shared, &cancelled, expected, subject::msg_id::cancel(project, job_id, expected)).await {
+    let settles_through = live.iter().map(|q| q.sequence).max().unwrap_or_default();
+    match commit::claim_as(shared, &cancelled, expected, subject::msg_id::cancel(project, job_id, expected), settles_through).await {
         Ok(Claim::Ours) => {
             let removed = remove(shared, &live).await;
             info!(job = job_id, project, by, removed, "cancelled");

@@ -95,18 +95,21 @@ pub enum Claim {
 /// # Errors
 /// A transient [`JobError`] when the publish or the look-up after a refusal failed.
 pub async fn claim(shared: &Shared, result: &ShotResult, expected: u64, stream_sequence: u64) -> Result<Claim, JobError> {
-    claim_as(shared, result, expected, subject::msg_id::outcome(&result.job_id, stream_sequence)).await
+    claim_as(shared, result, expected, subject::msg_id::outcome(&result.job_id, stream_sequence), stream_sequence).await
 }
 
 /// [`claim`] with the publish's message id given: a cancellation is no job message's outcome.
+/// `settles_through` is the last job message the outcome settles
+/// ([`shotfleet_schema::nats::outcome::SETTLES_HEADER`]).
 ///
 /// # Errors
 /// As [`claim`].
-pub async fn claim_as(shared: &Shared, result: &ShotResult, expected: u64, message_id: String) -> Result<Claim, JobError> {
+pub async fn claim_as(shared: &Shared, result: &ShotResult, expected: u64, message_id: String, settles_through: u64) -> Result<Claim, JobError> {
     let payload = encoding::encode(ContentType::Json, result);
     let publish = PublishMessage::build()
         .payload(payload.into())
         .header(encoding::HEADER, ContentType::Json.as_str())
+        .header(shotfleet_schema::nats::outcome::SETTLES_HEADER, settles_through.to_string().as_str())
         .message_id(message_id)
         .expected_last_subject_sequence(expected);
     let target = subject::result(&result.project, &result.job_id);

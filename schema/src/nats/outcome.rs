@@ -9,6 +9,12 @@ use async_nats::jetstream::stream::{DirectGetErrorKind, Stream};
 use crate::encoding::{self, ContentType};
 use crate::{ShotResult, subject};
 
+/// The header of an outcome naming the last job message (its sequence in `SHOTS`) that it
+/// settles: the delivered message for a result or a failure, the last queued copy for a
+/// cancellation. A producer, who may not read the jobs stream, tells by it whether a message
+/// it published (its PubAck's sequence) was settled or is still to come.
+pub const SETTLES_HEADER: &str = "Shotfleet-Settles";
+
 /// The last outcome on a job's result subject.
 #[derive(Debug, Clone)]
 pub struct Outcome {
@@ -17,6 +23,9 @@ pub struct Outcome {
     pub sequence: u64,
     /// When the server stored it.
     pub stored: SystemTime,
+    /// The last job message it settles ([`SETTLES_HEADER`]; for an outcome written before the
+    /// header, from its message id `<job_id>:outcome:<seq>`), when it says.
+    pub settles_through: Option<u64>,
 }
 
 impl Outcome {
@@ -48,7 +57,10 @@ pub async fn last<I>(results: &Stream<I>, project: &str, job_id: &str) -> Result
             let content_type = super::content_type(&message.headers);
             let content_type = ContentType::from_header(content_type.as_deref()).map_err(|e| OutcomeError::Unreadable(e.to_string()))?;
             let result = encoding::decode(content_type, &message.payload).map_err(|e| OutcomeError::Unreadable(e.to_string()))?;
-            Ok(Some(Outcome { result, sequence: message.sequence, stored: message.time.into() }))
+            let settles_through = super::header_value(&message.headers, SETTLES_HEADER)
+                .or_else(|| super::header_value(&message.headers, "Nats-Msg-Id").and_then(|id| id.rsplit_once(":outcome:").map(|(_, seq)| seq.to_owned())))
+                .and_then(|seq| seq.parse().ok());
+            Ok(Some(Outcome { result, sequence: message.sequence, stored: message.time.into(), settles_through }))
         }
         Err(e) if matches!(e.kind(), DirectGetErrorKind::NotFound) => Ok(None),
         Err(e) => Err(OutcomeError::Lookup(e.to_string())),
