@@ -248,7 +248,8 @@ fn runaway_quotes(text: &str, separator: u8) -> Vec<RunawayQuote> {
             Some(opened) if byte == b'"' => {
                 quoted = None;
                 cell_start = false;
-                let next = bytes.get(i + 1).copied();
+                // Blanks after the closing quote are trimmed off the cell, as the reader does.
+                let next = bytes[i + 1..].iter().copied().find(|&b| b != b' ' && b != b'\t' || b == separator);
                 let ends_the_cell = next.is_none_or(|next| next == separator || next == b'\r' || next == b'\n');
                 if !ends_the_cell && line > opened {
                     found.push(RunawayQuote { opened, closed: Some(line) });
@@ -322,7 +323,7 @@ fn csv_rows(text: &str, ignore: &[String]) -> Vec<Row> {
                 let value = if NUMERIC_COLUMNS.contains(&name) {
                     number_cell(line, name, cell, separator == b';')?
                 } else if name == "loras" {
-                    loras_cell(line, cell)?
+                    loras_cell(line, cell, separator == b';')?
                 } else {
                     Value::String(cell.to_owned())
                 };
@@ -407,14 +408,22 @@ fn csv_error_kind(error: &csv::Error) -> String {
 }
 
 /// `name:weight;name:weight` into the JSON form.
-fn loras_cell(line: usize, cell: &str) -> Result<Value, LineError> {
-    // LoRA names hold no `,`: `mei:0.8, hero:0.5` is two, as `;` separates them.
-    let loras = cell
-        .split([';', ','])
+fn loras_cell(line: usize, cell: &str, decimal_comma: bool) -> Result<Value, LineError> {
+    // LoRA names hold no `,`: `mei:0.8, hero:0.5` is two, as `;` separates them; in a file of
+    // decimal commas (`mei:0,8;hero:0,5`) a comma before a digit is the weight's.
+    let mut items = String::with_capacity(cell.len());
+    let mut chars = cell.chars().peekable();
+    while let Some(c) = chars.next() {
+        let separates = c == ',' && !(decimal_comma && chars.peek().is_some_and(char::is_ascii_digit));
+        items.push(if separates { ';' } else { c });
+    }
+    let loras = items
+        .split(';')
         .map(str::trim)
         .filter(|s| !s.is_empty())
         .map(|item| {
             let (name, weight) = item.rsplit_once(':').unwrap_or((item, "1"));
+            let weight = if decimal_comma { weight.replace(',', ".") } else { weight.to_owned() };
             let weight: f64 = weight.trim().parse().ok().filter(|w: &f64| w.is_finite()).ok_or_else(|| LineError {
                 line,
                 field: "loras".into(),
@@ -583,6 +592,8 @@ not json
         let board = parse(&text, Format::Csv, &Limits::default());
         assert!(board.errors.is_empty(), "{:?}", board.errors);
         assert!(board.shots[0].job.prompt.starts_with("SC 12 - night street\nmasterpiece, best quality"));
+        let spaced = parse(&format!("{header}\na1,p,s1,\"wide\nlow angle\" ,64,64,2,5,1\n"), Format::Csv, &Limits::default());
+        assert!(spaced.errors.is_empty(), "a blank after the closing quote: {:?}", spaced.errors);
         assert_eq!(board.shots[1].job.prompt, "the keeper says \"hi\",\nat dawn");
         assert_eq!((board.shots[2].job.job_id.as_str(), board.shots[2].line), ("a3", 7), "cells are trimmed; lines counted through the cells");
     }
@@ -626,6 +637,8 @@ not json
         let shot = &board.shots[1];
         assert_eq!((shot.job.steps, shot.job.guidance), (30, 6.5));
         assert_eq!(shot.job.loras.iter().map(|l| (l.name.as_str(), l.weight)).collect::<Vec<_>>(), [("mei", 0.8), ("hero", 0.5)]);
+        let decimal = parse(&format!("{header}\na4;p;s4;x;64;64;2;5;1;p1;\"mei:0,8; hero:0,5\"\n"), Format::Csv, &Limits::default());
+        assert_eq!(decimal.shots[0].job.loras.iter().map(|l| l.weight).collect::<Vec<_>>(), [0.8, 0.5], "{:?}", decimal.errors);
         assert_eq!((board.errors[0].line, board.errors[0].field.as_str()), (4, "steps"));
         assert!(board.errors[0].message.contains("not a whole number"), "{}", board.errors[0].message);
         let comma = parse("job_id,project,shot_id,prompt,width,height,steps,guidance,seed\na,p,s,x,\"1,024\",64,2,5,1\n", Format::Csv, &Limits::default());
