@@ -78,7 +78,7 @@ impl Live {
         });
         let stages = jobs.iter().map(|j| (j.key(), Stage::Waiting { position: 0 })).collect();
         let order = jobs.iter().map(Placed::key).collect();
-        let several_projects = jobs.iter().any(|j| j.project != jobs[0].project);
+        let several_projects = spans_projects(jobs.iter().map(|j| j.project.as_str()));
         let mut live = Self { stages, order, several_projects, bars, printed: HashMap::new() };
         live.draw_waiting();
         live
@@ -247,8 +247,15 @@ impl Live {
     }
 }
 
-/// How a job of key `key` is shown: its id, or its key when the jobs span several projects.
-fn label(several_projects: bool, key: &str) -> &str {
+/// Whether jobs of these projects span more than one: their jobs are then named by key.
+pub fn spans_projects<'a>(mut projects: impl Iterator<Item = &'a str>) -> bool {
+    let first = projects.next();
+    projects.any(|p| Some(p) != first)
+}
+
+/// How a job of key `key` is shown: its id, or its key when the jobs span several projects
+/// (ids are unique within a project only).
+pub fn label(several_projects: bool, key: &str) -> &str {
     if several_projects { key } else { key.split_once('/').map_or(key, |(_, job_id)| job_id) }
 }
 

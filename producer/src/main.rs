@@ -606,14 +606,15 @@ fn print_table(
     println!("{:<24} {:<12} {:<4} {:<9} {:>6} {:>9}  detail", "job", "shot", "prio", "status", "images", "render_s");
     let (mut done, mut degraded, mut failed, mut cancelled, mut waiting) = (0, 0, 0, 0, 0);
     // Ids are unique within a project: a board of several projects names its jobs by key.
-    let several_projects = shots.iter().any(|s| s.job.project != shots[0].job.project);
+    let several_projects = live::spans_projects(shots.iter().map(|s| s.job.project.as_str()));
     // In the file's order (submit groups shots by LoRA set to publish them).
     let mut in_order: Vec<&storyboard::Shot> = shots.iter().collect();
     in_order.sort_by_key(|s| s.line);
     for shot in in_order {
         let job = &shot.job;
-        let name = if several_projects { job.key() } else { job.job_id.clone() };
-        let (status, images, render, detail) = match outcomes.get(&job.key()) {
+        let key = job.key();
+        let name = live::label(several_projects, &key);
+        let (status, images, render, detail) = match outcomes.get(&key) {
             Some(Outcome::Done(result)) => {
                 let degraded_now = result.degrade.is_some();
                 if degraded_now { degraded += 1 } else { done += 1 }
@@ -635,7 +636,7 @@ fn print_table(
             }
             None => {
                 waiting += 1;
-                let (status, stands) = unfinished(&job.key()).unwrap_or(("waiting", "no outcome yet".to_owned()));
+                let (status, stands) = unfinished(&key).unwrap_or(("waiting", "no outcome yet".to_owned()));
                 (status, "-".into(), "-".into(), stands)
             }
         };
