@@ -143,7 +143,10 @@ impl Live {
         self.remove_bar(job);
         let text = match outcome {
             Outcome::Done(result) if result.degrade.is_some() => format!("degraded: {} image(s)", result.images.len()),
-            Outcome::Done(result) => format!("done: {} image(s) in {:.1}s", result.images.len(), result.timing.render_ms as f64 / 1000.0),
+            Outcome::Done(result) => {
+                let notes: String = result.notes.iter().map(|note| format!(" · {note}")).collect();
+                format!("done: {} image(s) in {:.1}s{notes}", result.images.len(), result.timing.render_ms as f64 / 1000.0)
+            }
             Outcome::Failed { reason, detail, .. } => format!("{reason}: {detail}"),
         };
         self.line(job, &text, true);

@@ -618,7 +618,10 @@ fn print_table(
             Some(Outcome::Done(result)) => {
                 let degraded_now = result.degrade.is_some();
                 if degraded_now { degraded += 1 } else { done += 1 }
-                let first = result.images.first().map(|i| i.key.clone()).unwrap_or_default();
+                let mut first = result.images.first().map(|i| i.key.clone()).unwrap_or_default();
+                for note in &result.notes {
+                    first = format!("{first} · {note}");
+                }
                 (
                     if degraded_now { "degraded" } else { "done" },
                     result.images.len().to_string(),

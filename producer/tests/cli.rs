@@ -260,6 +260,7 @@ async fn answer_jobs(url: String, fail_job: &'static str) {
                 timing: Timing::default(),
                 finished_at_ms: 0,
                 failure: None,
+                notes: vec![],
             };
             let mut headers = HeaderMap::new();
             headers.insert("Content-Type", ContentType::Json.as_str());

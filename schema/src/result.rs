@@ -45,6 +45,10 @@ pub struct ShotResult {
     /// Why the job failed (status `failed`), or who cancelled it (status `cancelled`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub failure: Option<Failure>,
+    /// What a person should know of how it was rendered, such as a prompt cut at the text
+    /// encoders' 77 tokens.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub notes: Vec<String>,
 }
 
 impl ShotResult {

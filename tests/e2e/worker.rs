@@ -54,6 +54,11 @@ async fn renders_stores_reports_and_acks() {
     let log = worker.plain_log();
     let cut: Vec<&str> = log.lines().filter(|l| l.contains("the end of the prompt is left out")).collect();
     assert!(cut.len() == 1 && cut[0].contains("job=b1"), "one warning, for b1: {cut:?}");
+    // And its result says so, for the person who wrote the prompt.
+    for result in results(&outcomes) {
+        let cut_note = result.notes.iter().any(|n| n.starts_with("prompt cut at the text encoders' 77 tokens: its last "));
+        assert_eq!(cut_note, result.job_id == "b1", "{}: {:?}", result.job_id, result.notes);
+    }
 }
 
 #[tokio::test]

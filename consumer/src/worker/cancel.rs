@@ -192,6 +192,7 @@ fn cancelled_outcome(shared: &Shared, project: &str, job_id: &str, shot_id: &str
         timing: Timing::default(),
         finished_at_ms: now_ms(),
         failure: Some(Failure { reason: None, detail: format!("cancelled by {by}"), attempts: 0 }),
+        notes: Vec::new(),
     }
 }
 

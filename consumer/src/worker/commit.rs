@@ -226,6 +226,7 @@ pub fn outcome_of(
         timing: Timing { queue_ms: queued.as_millis() as u64, ..Timing::default() },
         finished_at_ms: now_ms(),
         failure,
+        notes: Vec::new(),
     }
 }
 

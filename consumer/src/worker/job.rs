@@ -37,6 +37,8 @@ pub(crate) struct Taken {
     pub reporter: Option<Reporter>,
     /// Fires when an outcome lands that settles the job (a cancellation): its work stops.
     pub watch: OutcomeWatch,
+    /// What its result will tell the person (a prompt cut at 77 tokens).
+    pub notes: Vec<String>,
     _holding: Option<Holding>,
     _alive: KeepAlive,
     _in_flight: telemetry::InFlight,
@@ -128,7 +130,7 @@ pub(crate) async fn take(shared: &Shared, kept: Kept) -> (Taken, Next) {
         let job = decoded.ok();
         info!(job = job.as_ref().map_or("?", |j| j.job_id.as_str()), "this worker already holds another delivery of the job; giving this one back");
         let busy = Handled::Stopped(JobError::give_back(HELD_HERE_DELAY, "another delivery of the job is in progress on this worker"));
-        return (Taken { delivery, job, last_outcome: 0, set: None, reporter: None, watch: OutcomeWatch::none(), _holding: None, _alive, _in_flight }, Next::Settle(busy));
+        return (Taken { delivery, job, last_outcome: 0, set: None, reporter: None, watch: OutcomeWatch::none(), notes: Vec::new(), _holding: None, _alive, _in_flight }, Next::Settle(busy));
     }
     // Before the look-up below: an outcome stored after it reaches the watch.
     let subscribed = match &decoded {
@@ -171,9 +173,10 @@ pub(crate) async fn take(shared: &Shared, kept: Kept) -> (Taken, Next) {
             Err(e) => next = Next::Settle(Handled::Stopped(e)),
         }
     }
-    if let (Some(job), Next::Render) = (&job, &next) {
-        warn_of_cut_prompts(shared, job);
-    }
+    let notes = match (&job, &next) {
+        (Some(job), Next::Render) => cut_prompts(shared, job),
+        _ => Vec::new(),
+    };
     let (reporter, watch) = match (&job, &next, subscribed) {
         (Some(job), Next::Render, Some(subscribed)) => {
             let watch = OutcomeWatch::start(shared, job, &delivery, subscribed);
@@ -183,19 +186,23 @@ pub(crate) async fn take(shared: &Shared, kept: Kept) -> (Taken, Next) {
         }
         _ => (None, OutcomeWatch::none()),
     };
-    (Taken { delivery, job, last_outcome, set, reporter, watch, _holding: holding.flatten(), _alive, _in_flight }, next)
+    (Taken { delivery, job, last_outcome, set, reporter, watch, notes, _holding: holding.flatten(), _alive, _in_flight }, next)
 }
 
-/// Says in the log when the text encoders will not read all of a job's prompt: CLIP reads 77
-/// tokens (75 words' worth and less), and SDXL's pipeline cuts the rest, as this one does.
-fn warn_of_cut_prompts(shared: &Shared, job: &ShotJob) {
+/// When the text encoders will not read all of a job's prompt (CLIP reads 77 tokens, 75
+/// words' worth and less, and SDXL's pipeline cuts the rest, as this one does): a warning in
+/// the log, and a note for the result, so the person who wrote it hears it too.
+fn cut_prompts(shared: &Shared, job: &ShotJob) -> Vec<String> {
     let pipeline = shared.pipeline();
+    let mut notes = Vec::new();
     for (field, text) in [("prompt", Some(job.prompt.as_str())), ("negative_prompt", job.negative())] {
         let cut = text.map_or(0, |text| pipeline.prompt_tokens_cut(text));
         if cut > 0 {
             warn!(job = %job.job_id, field, tokens_cut = cut, "the text encoders read 77 tokens: the end of the prompt is left out");
+            notes.push(format!("{field} cut at the text encoders' 77 tokens: its last {cut} token(s) were not read"));
         }
     }
+    notes
 }
 
 /// A job that can never be rendered, with the job when the payload was readable enough.
@@ -307,6 +314,7 @@ pub(crate) async fn commit_output(shared: &Shared, taken: &Taken, output: Render
     let status = if job.degrade.is_some() { ResultStatus::Degraded } else { ResultStatus::Done };
     let mut result = commit::outcome_of(shared, job.ids(), job.degrade, delivery.attempt, delivery.queued, status, None);
     result.images = uploaded.images;
+    result.notes.clone_from(&taken.notes);
     result.timing.render_ms = elapsed.as_millis() as u64;
     result.timing.upload_ms = upload_started.elapsed().as_millis() as u64;
     let handled = match commit::claim(shared, &result, taken.last_outcome, delivery.stream_sequence).await {

@@ -128,6 +128,9 @@ fn facts(card: &Card) -> Vec<(&'static str, String)> {
         facts.push(("worker", format!("{} ({})", result.worker, result.device)));
         facts.push(("render", format!("{:.1} s", result.timing.render_ms as f64 / 1000.0)));
         facts.push(("queued", format!("{:.1} s", result.timing.queue_ms as f64 / 1000.0)));
+        for note in &result.notes {
+            facts.push(("note", note.clone()));
+        }
     }
     facts
 }
