@@ -12,8 +12,9 @@ use crate::job::Degrade;
 /// `Nats-Expected-Last-Subject-Sequence` set to the last outcome it saw on the subject (0 when
 /// none), so a second, late outcome for the same request is refused by the server however long
 /// after the first it comes. A rendered result (`done`, `degraded`) is final: the job is never
-/// rendered again. A `failed` or `cancelled` outcome settles every message of the job published
-/// before it; a message published after it (a replay, a re-submission) is a new request.
+/// rendered again. A `failed` or `cancelled` outcome settles the job's messages up to the one its
+/// `Shotfleet-Settles` header names; a message queued after that one (a replay, a fix, a
+/// re-submission) is a new request.
 ///
 /// Every image a result names exists in the object store with that sha256.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]

@@ -402,6 +402,21 @@ async fn publish_raw(js: &jetstream::Context, subject: &str, job: &shotfleet_sch
     js.publish_with_headers(subject.to_owned(), headers, serde_json::to_vec(&payload).unwrap().into()).await.unwrap().await.unwrap();
 }
 
+/// A fix sent while the broken request still waited (both queued before any worker runs): the
+/// failure settles the broken message only (its `Shotfleet-Settles`), and the fix renders.
+#[tokio::test]
+async fn a_fix_queued_behind_its_broken_request_renders_after_the_failure() {
+    let server = NatsServer::start();
+    let js = jetstream_with(&server.url(), &Topology::default()).await;
+    let store = tempfile::tempdir().unwrap();
+    let broken = job("fx-1", "acme", (64, 64), 2, 1);
+    publish_raw(&js, "shots.p1.xs.acme", &broken, serde_json::json!({"steps": 0}), "acme/fx-1").await;
+    publish_raw(&js, "shots.p1.xs.acme", &broken, serde_json::json!({}), "acme/fx-1:2").await;
+    let _worker = Worker::start(&server.url(), WorkerSpec::new("fixes", store.path()));
+    let found = wait_for_outcomes(&js, "acme", "fx-1", 2).await;
+    assert_eq!((found[0].status, found[1].status), (ResultStatus::Failed, ResultStatus::Done), "{found:?}");
+}
+
 #[tokio::test]
 async fn every_request_of_a_job_gets_its_own_outcome_an_invalid_resubmission_included() {
     let server = NatsServer::start();

@@ -72,7 +72,7 @@ async fn rescue(shared: &Shared, advisory: MaxDeliveries) {
         last_outcome: 0,
     };
     if let Some(ids) = case.ids() {
-        match commit::standing(shared, &ids.project, &ids.job_id, published).await {
+        match commit::standing(shared, &ids.project, &ids.job_id, advisory.stream_seq, published).await {
             Ok(Standing::Settled(_)) => {
                 remove(&stream, advisory.stream_seq, &ids.job_id, "job past max deliveries already has its outcome; removed").await;
                 return;

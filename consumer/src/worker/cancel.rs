@@ -142,7 +142,7 @@ async fn cancel_one(shared: &Shared, project: &str, job_id: &str, shot_id: &str,
         return finished(answer, outcome);
     }
     // Only the copies published after the last failure or cancellation are a live request.
-    let live: Vec<&Queued> = copies.iter().copied().filter(|q| last.as_ref().is_none_or(|o| !o.settles(q.published))).collect();
+    let live: Vec<&Queued> = copies.iter().copied().filter(|q| last.as_ref().is_none_or(|o| !o.settles(q.sequence, q.published))).collect();
     if live.is_empty() {
         return match &last {
             Some(outcome) => finished(answer, outcome),

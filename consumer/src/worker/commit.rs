@@ -2,7 +2,8 @@
 //!
 //! 1. On fetch, look up the job's last outcome (a direct get of the last message on
 //!    `shots.done.<project>.<job>`). A rendered result settles every message of the job; a
-//!    failed or cancelled outcome settles the messages published before it. A settled message
+//!    failed or cancelled outcome settles the messages up to the one it names (its
+//!    `Shotfleet-Settles` header: the failed message, a cancellation's last queued copy). A settled message
 //!    is only swept and acked.
 //! 2. Render, and upload to content-addressed keys (`<shot>-<index>-<sha8>.png`).
 //! 3. Claim the subject: publish the outcome with `Nats-Expected-Last-Subject-Sequence` set to
@@ -73,9 +74,9 @@ pub enum Standing {
 ///
 /// # Errors
 /// A transient [`JobError`] when the results stream cannot be read.
-pub async fn standing(shared: &Shared, project: &str, job_id: &str, published: SystemTime) -> Result<Standing, JobError> {
+pub async fn standing(shared: &Shared, project: &str, job_id: &str, sequence: u64, published: SystemTime) -> Result<Standing, JobError> {
     Ok(match last_outcome(shared, project, job_id).await? {
-        Some(outcome) if outcome.settles(published) => Standing::Settled(Box::new(outcome)),
+        Some(outcome) if outcome.settles(sequence, published) => Standing::Settled(Box::new(outcome)),
         last => Standing::Open { last: last.map_or(0, |o| o.sequence) },
     })
 }

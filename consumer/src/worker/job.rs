@@ -147,7 +147,7 @@ pub(crate) async fn take(shared: &Shared, kept: Kept) -> (Taken, Next) {
     let content_type = delivery.content_type();
     let ids = failed::ids_of(delivery.subject(), job.as_ref(), content_type.as_deref(), &delivery.message.payload);
     let standing = match &ids {
-        Some(ids) => commit::standing(shared, &ids.project, &ids.job_id, delivery.published).await,
+        Some(ids) => commit::standing(shared, &ids.project, &ids.job_id, delivery.stream_sequence, delivery.published).await,
         None => Ok(Standing::Open { last: 0 }),
     };
     let (last_outcome, mut next) = match (standing, invalid) {
@@ -275,7 +275,7 @@ pub(crate) async fn settled_elsewhere(shared: &Shared, taken: &Taken) -> Option<
     }
     let job = taken.job.as_ref()?;
     match commit::last_outcome(shared, &job.project, &job.job_id).await {
-        Ok(Some(outcome)) if outcome.settles(taken.delivery.published) => {
+        Ok(Some(outcome)) if outcome.settles(taken.delivery.stream_sequence, taken.delivery.published) => {
             Some(Handled::Committed { result: Box::new(outcome.result), ours: false })
         }
         _ => None,

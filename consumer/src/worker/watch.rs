@@ -46,7 +46,7 @@ impl OutcomeWatch {
     /// that look-up goes unseen, and it need not be repeated here).
     /// The outcome `delivery` itself commits (its result or its failure) ends the watch quietly.
     pub fn start(shared: &Shared, job: &ShotJob, delivery: &Delivery, subscribed: Subscribed) -> Self {
-        let published = delivery.published;
+        let (sequence, published) = (delivery.stream_sequence, delivery.published);
         let settled = CancellationToken::new();
         let Subscribed(Some(mut outcomes)) = subscribed else {
             return Self { settled, _task: None };
@@ -63,7 +63,7 @@ impl OutcomeWatch {
                 match commit::last_outcome_in(&results, &project, &job_id).await {
                     // This worker's own result: the job is done here, nothing to stop.
                     Ok(Some(outcome)) if outcome.result.is_rendered() && outcome.result.worker == worker => return,
-                    Ok(Some(outcome)) if outcome.settles(published) => {
+                    Ok(Some(outcome)) if outcome.settles(sequence, published) => {
                         announce(&job_id, &outcome);
                         token.cancel();
                         return;

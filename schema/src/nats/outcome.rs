@@ -29,11 +29,14 @@ pub struct Outcome {
 }
 
 impl Outcome {
-    /// Whether this outcome settles a job message published at `published`: a rendered result
-    /// settles every message of the job; a failure or cancellation only the messages published
-    /// before it (one published after it is a replay or a re-submission: a new request).
-    pub fn settles(&self, published: SystemTime) -> bool {
-        self.result.is_rendered() || self.stored >= published
+    /// Whether this outcome settles the job message at `sequence` in `SHOTS`, published at
+    /// `published`: a rendered result settles every message of the job; a failure or
+    /// cancellation the messages up to the one it names ([`Self::settles_through`]), so a copy
+    /// queued after that one (a fix sent while the first still waited, a replay, a
+    /// re-submission) is a request of its own. An outcome written before it named one settles
+    /// the messages published before it was stored.
+    pub fn settles(&self, sequence: u64, published: SystemTime) -> bool {
+        self.result.is_rendered() || self.settles_through.map_or(self.stored >= published, |through| sequence <= through)
     }
 }
 
