@@ -22,6 +22,23 @@ fn capped(id: &str, store: &std::path::Path, classes: &'static str, mib: u64) ->
     spec
 }
 
+/// One worker alone, which stops admitting the class it ran out of memory on: its own watch of
+/// the classes nobody admits sends the job down the ladder, where it renders.
+#[tokio::test]
+async fn a_lone_worker_that_stops_admitting_a_class_degrades_its_jobs() {
+    let server = NatsServer::start();
+    let js = jetstream_with(&server.url(), &Topology::default()).await;
+    let store = tempfile::tempdir().unwrap();
+    let lone = Worker::start(&server.url(), capped("lone-card", store.path(), "[\"xs\", \"s\", \"m\"]", 200));
+    let mut j = job("lone-1", "acme", (1024, 1024), 2, 1);
+    j.floor = Some(Floor { min_side: 256, min_steps: 2 });
+    let s = shot(Priority::P1, j);
+    submit(&js, std::slice::from_ref(&s)).await;
+    let result = results(&outcomes(&js, &[s], Duration::from_secs(120)).await).remove(0);
+    assert_eq!(result.status, ResultStatus::Degraded, "{}", lone.log());
+    assert!(result.images[0].width < 1024, "{result:?}");
+}
+
 #[tokio::test]
 async fn out_of_memory_goes_down_the_ladder_to_a_smaller_worker() {
     let server = NatsServer::start();

@@ -1,10 +1,11 @@
 //! Jobs of a class no live worker can hold. A fleet of small cards never fetches a class larger
-//! than its budget admits, so such a job would wait in the queue forever. Every worker looks
-//! every `[degrade] handoff`, beside its fetch loop: when no live worker (itself included)
-//! admits a larger class and the oldest job of it has waited that long, the worker takes it
-//! and sends it one rung down the degrade ladder without rendering (a smaller class, which the
-//! fleet can hold), or fails it with reason `oom` below its floor. A job of a class some live
-//! worker admits is left to that worker, however busy it is: degrading is the last resort.
+//! than its budget admits, and a worker stops admitting a class after it ran out of memory on
+//! it, so such a job would wait in the queue forever. Every worker looks every `[degrade]
+//! handoff`, beside its fetch loop: when no live worker (itself included) admits a class above
+//! the smallest it serves and the oldest job of it has waited that long, the worker takes it and
+//! sends it one rung down the degrade ladder without rendering (a smaller class, which the fleet
+//! can hold), or fails it with reason `oom` below its floor. A job of a class some live worker
+//! admits is left to that worker, however busy it is: degrading is the last resort.
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -26,22 +27,24 @@ use crate::worker::settle::{Handled, settle};
 /// How long the fleet's answers to a ping are collected.
 const PING_WAIT: Duration = Duration::from_secs(1);
 
-/// The consumers of the classes above the ones this worker serves.
+/// The consumers of the classes above the smallest this worker serves.
 pub struct Unserved {
     stream: Stream,
     consumers: Vec<(Origin, PullConsumer)>,
 }
 
 impl Unserved {
-    /// Binds the consumers of every class larger than the largest of `served`.
+    /// Binds the consumers of every class larger than the smallest of `served`: those it does
+    /// not serve, and those it serves but may stop admitting (after an out-of-memory). The
+    /// smallest has no smaller class to go down to.
     ///
     /// # Errors
     /// A consumer that is missing, with the command that creates it.
     pub async fn bind(stream: &Stream, served: &[MemoryClass]) -> Result<Self, String> {
-        let largest = served.iter().max().copied();
+        let smallest = served.iter().min().copied();
         let mut consumers = Vec::new();
         for &priority in Priority::ALL {
-            for &class in MemoryClass::ALL.iter().filter(|&&c| largest.is_some_and(|l| c > l)) {
+            for &class in MemoryClass::ALL.iter().filter(|&&c| smallest.is_some_and(|s| c > s)) {
                 let (name, _) = subject::consumer(priority, SubjectClass::Class(class));
                 let consumer: PullConsumer = stream
                     .get_consumer(&name)
