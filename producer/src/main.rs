@@ -539,8 +539,12 @@ async fn submit_file(options: &NatsOptions, args: SubmitArgs) -> Result<u8, Fail
     placed.sort_by_key(|p| order.get(&p.key()).copied());
     let shown = std::sync::Arc::new(std::sync::Mutex::new(live::Live::new(&placed, terminal)));
     let _following = live::follow(&js, placed, shown.clone()).await.map_err(|e| server(anyhow::anyhow!(e)))?;
+    // A job told twice (a stored failure, then the result of its replay) finishes once.
+    let mut finished = std::collections::HashSet::new();
     let waited = wait::wait(&js, &awaited, since, args.timeout, |job, outcome| {
-        progress.iter().for_each(Progress::inc);
+        if finished.insert(job.to_owned()) {
+            progress.iter().for_each(Progress::inc);
+        }
         shown.lock().unwrap_or_else(std::sync::PoisonError::into_inner).finished(job, outcome);
     })
     .await;

@@ -35,13 +35,13 @@ pub struct CancelRequest {
     /// Who cancels, for the outcome's `failure.detail` (a person, a tool).
     #[serde(default)]
     pub by: String,
-    /// With target [`WHOLE_PROJECT`]: these jobs (not empty).
+    /// Sent to `shots.cancel.<project>.@project` (the literal token `@project`): these jobs (not empty).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub jobs: Vec<String>,
-    /// With target [`WHOLE_PROJECT`]: the unfinished jobs of this shot.
+    /// Sent to `shots.cancel.<project>.@project`: the unfinished jobs of this shot.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub shot: Option<String>,
-    /// With target [`WHOLE_PROJECT`]: every unfinished job of the project. Must be set for that.
+    /// Sent to `shots.cancel.<project>.@project`: every unfinished job of the project. Must be set for that.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub all: bool,
 }
@@ -208,8 +208,13 @@ pub fn subject(project: &str, target: &str) -> String {
 /// A message naming what is wrong.
 pub fn parse_subject(subject: &str) -> Result<(String, String), String> {
     match subject.split('.').collect::<Vec<_>>()[..] {
+        [crate::subject::ROOT, "cancel", _, target] if target.starts_with('@') && target != WHOLE_PROJECT => {
+            Err(format!("`{subject}`: the token for the whole project is `{WHOLE_PROJECT}`, as written (shots.cancel.<project>.{WHOLE_PROJECT})"))
+        }
         [crate::subject::ROOT, "cancel", project, target] => Ok((project.to_owned(), target.to_owned())),
-        _ => Err(format!("`{subject}` is not a cancel subject: shots.cancel.<project>.<job_id|{WHOLE_PROJECT}>")),
+        _ => Err(format!(
+            "`{subject}` is not a cancel subject: shots.cancel.<project>.<job_id>, or shots.cancel.<project>.{WHOLE_PROJECT} (the token as written)"
+        )),
     }
 }
 
@@ -245,6 +250,7 @@ mod tests {
     fn a_request_for_the_whole_project_says_so() {
         let select = |json: &str, target: &str| parse(json).and_then(|r| r.selection(target));
         assert_eq!(select(r#"{"v":1,"all":true}"#, WHOLE_PROJECT), Ok(Selection::All));
+        assert!(parse_subject("shots.cancel.acme.@acme").unwrap_err().contains("the token for the whole project is `@project`, as written"));
         assert_eq!(select(r#"{"jobs":["a","b"]}"#, WHOLE_PROJECT), Ok(Selection::Jobs(vec!["a".into(), "b".into()])));
         assert_eq!(select(r#"{"shot":"s1"}"#, WHOLE_PROJECT), Ok(Selection::Shot("s1".into())));
         assert_eq!(select("{}", "job-1"), Ok(Selection::Jobs(vec!["job-1".into()])));
