@@ -325,8 +325,8 @@ pub async fn follow(js: &jetstream::Context, jobs: Vec<Placed>, live: Arc<Mutex<
                     }
                     let waiting: Vec<Placed> = {
                         let live = lock(&live);
-                        let waiting = live.waiting();
-                        jobs.iter().filter(|j| waiting.contains(&j.key().as_str())).cloned().collect()
+                        let waiting: std::collections::HashSet<&str> = live.waiting().into_iter().collect();
+                        jobs.iter().filter(|j| waiting.contains(j.key().as_str())).cloned().collect()
                     };
                     let found = positions(&js, &waiting).await;
                     let mut live = lock(&live);

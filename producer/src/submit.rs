@@ -135,13 +135,12 @@ pub async fn submit(
     // Why each duplicate was not queued: its message still queued (with when it was
     // published), or its job's last outcome.
     let queued_at = still_queued(js, duplicates.iter().map(|(i, ack)| (*i, ack.sequence)).collect()).await;
-    let last = last_outcomes(js, duplicates.iter().map(|(i, _)| (*i, &shots[*i].job)).collect()).await;
-    let last_read = last.answered;
+    let outcomes = last_outcomes(js, duplicates.iter().map(|(i, _)| (*i, &shots[*i].job)).collect()).await;
     let mut again = Vec::new();
     let mut kept = Vec::new();
     for (index, ack) in duplicates {
         let job = &shots[index].job;
-        let last = last.found.get(&index);
+        let last = outcomes.found.get(&index);
         // Whether the job's last failure or cancellation settled this message (or a later copy
         // of it): the outcome says which messages it settles; an older one that does not, the
         // jobs stream where this role may read it (the message is gone). `None`: neither says.
@@ -162,7 +161,7 @@ pub async fn submit(
                 Some(false) => {}
                 None => summary.unknown.push(job.key()),
             },
-            None if last_read => {}
+            None if outcomes.answered => {}
             None => summary.unknown.push(job.key()),
         }
         summary.duplicates.push(job.key());
@@ -222,10 +221,17 @@ struct Found<T> {
     answered: bool,
 }
 
+impl<T> Found<T> {
+    /// Nothing looked up (the stream could not be opened).
+    fn none() -> Self {
+        Self { found: HashMap::new(), answered: false }
+    }
+}
+
 /// When each duplicate's message (a shot's index and the sequence its PubAck names), if still
 /// in the jobs stream, was published: queued or being rendered, its outcome is to come.
 async fn still_queued(js: &jetstream::Context, duplicates: Vec<(usize, u64)>) -> Found<SystemTime> {
-    let Ok(stream) = js.get_stream_no_info(subject::JOBS_STREAM).await else { return Found { found: HashMap::new(), answered: false } };
+    let Ok(stream) = js.get_stream_no_info(subject::JOBS_STREAM).await else { return Found::none() };
     look_up_each(duplicates, |(index, sequence)| {
         let stream = stream.clone();
         async move { stream.get_raw_message(sequence).await.ok().map(|m| (index, SystemTime::from(m.time))) }
@@ -235,7 +241,7 @@ async fn still_queued(js: &jetstream::Context, duplicates: Vec<(usize, u64)>) ->
 
 /// The last outcome of each job (by its shot's index) that has one.
 async fn last_outcomes(js: &jetstream::Context, jobs: Vec<(usize, &ShotJob)>) -> Found<Outcome> {
-    let Ok(stream) = js.get_stream_no_info(subject::RESULTS_STREAM).await else { return Found { found: HashMap::new(), answered: false } };
+    let Ok(stream) = js.get_stream_no_info(subject::RESULTS_STREAM).await else { return Found::none() };
     look_up_each(jobs, |(index, job)| {
         let stream = stream.clone();
         async move { outcome::last(&stream, &job.project, &job.job_id).await.ok().flatten().map(|o| (index, o)) }
@@ -257,7 +263,7 @@ where
         async move { tokio::time::timeout(EACH, asked).await.ok() }
     };
     let mut items = items.into_iter();
-    let mut found = Found { found: HashMap::new(), answered: false };
+    let mut found = Found::none();
     let Some(first) = items.next() else { return found };
     match bounded(first).await {
         Some(answer) => found.found.extend(answer),

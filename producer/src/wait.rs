@@ -219,9 +219,7 @@ fn read_outcome(
     wanted: &HashMap<String, &Awaited>,
     since: SystemTime,
 ) -> Option<(String, Outcome)> {
-    let header = |name: &str| {
-        message.headers.as_ref().and_then(|h| h.get(name)).map(|v| v.as_str().to_owned())
-    };
+    let header = |name: &str| message.headers.as_ref().and_then(|h| shotfleet_schema::nats::header_value(h, name));
     let written: SystemTime = message.info().ok()?.published.into();
     let counts = |key: &str| {
         wanted.get(key).is_some_and(|awaited| match (awaited.duplicate, awaited.queued_at) {

@@ -199,6 +199,10 @@ pub mod msg_id {
     pub fn outcome(job_id: &str, stream_sequence: u64) -> String {
         format!("{job_id}:outcome:{stream_sequence}")
     }
+    /// The job message's stream sequence an [`outcome`] id names; `None` for another id.
+    pub fn outcome_sequence(message_id: &str) -> Option<u64> {
+        message_id.rsplit_once(":outcome:").and_then(|(_, sequence)| sequence.parse().ok())
+    }
     /// A job's cancellation, claimed over the outcome at sequence `after` (0: none), so a
     /// later request of the job can be cancelled again inside the duplicate window.
     pub fn cancel(project: &str, job_id: &str, after: u64) -> String {
@@ -248,6 +252,12 @@ mod tests {
         assert_eq!(parsed.class, SubjectClass::Class(MemoryClass::M));
         assert_eq!(parsed.project, "acme");
         assert_eq!(parse_job("shots.p2.auto.x").unwrap().class, SubjectClass::Auto);
+    }
+
+    #[test]
+    fn an_outcome_id_names_the_message_it_settles() {
+        assert_eq!(msg_id::outcome_sequence(&msg_id::outcome("ep1-s1", 42)), Some(42));
+        assert_eq!(msg_id::outcome_sequence(&msg_id::cancel("acme", "ep1-s1", 42)), None);
     }
 
     #[test]

@@ -60,9 +60,10 @@ pub async fn last<I>(results: &Stream<I>, project: &str, job_id: &str) -> Result
             let content_type = super::content_type(&message.headers);
             let content_type = ContentType::from_header(content_type.as_deref()).map_err(|e| OutcomeError::Unreadable(e.to_string()))?;
             let result = encoding::decode(content_type, &message.payload).map_err(|e| OutcomeError::Unreadable(e.to_string()))?;
-            let settles_through = super::header_value(&message.headers, SETTLES_HEADER)
-                .or_else(|| super::header_value(&message.headers, "Nats-Msg-Id").and_then(|id| id.rsplit_once(":outcome:").map(|(_, seq)| seq.to_owned())))
-                .and_then(|seq| seq.parse().ok());
+            let settles_through = match super::header_value(&message.headers, SETTLES_HEADER) {
+                Some(through) => through.parse().ok(),
+                None => super::header_value(&message.headers, crate::failure::MSG_ID).and_then(|id| subject::msg_id::outcome_sequence(&id)),
+            };
             Ok(Some(Outcome { result, sequence: message.sequence, stored: message.time.into(), settles_through }))
         }
         Err(e) if matches!(e.kind(), DirectGetErrorKind::NotFound) => Ok(None),
