@@ -22,8 +22,10 @@ fn capped(id: &str, store: &std::path::Path, classes: &'static str, mib: u64) ->
     spec
 }
 
-/// One worker alone, which stops admitting the class it ran out of memory on: its own watch of
-/// the classes nobody admits sends the job down the ladder, where it renders.
+/// One worker alone, capped below a 1024² render: the job goes down the ladder and renders.
+/// (Where the worker stops admitting the class before it takes the job again, its watch of the
+/// classes nobody admits, its own included, is what sends the job down; here it takes it again
+/// first, so this covers the lone worker's ladder, not that watch.)
 #[tokio::test]
 async fn a_lone_worker_that_stops_admitting_a_class_degrades_its_jobs() {
     let server = NatsServer::start();
