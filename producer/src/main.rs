@@ -97,6 +97,11 @@ duplicate inside the duplicate window (20 min by default): it is not queued twic
 copy is deleted. (Rerun later than that and the job is queued a second time; a worker that finds
 its result already published skips it.)
 
+A job that failed after the degrade ladder lowered it goes back at the size and steps its producer
+asked for, to that size's subject (a line after the table says so): a replay is a new try, and the
+ladder lowers it again if it must. A job whose last outcome is a rendered result is skipped (a
+replay would render nothing); its record stays until the stream's max age.
+
 Records without a job id (their payload could not be decoded; reason invalid) are kept unless
 their reason is asked for with --reason (e.g. --reason invalid): then they are published as they
 are, with Nats-Msg-Id seq-<seq>:replay:<seq>; a worker decodes them again, and an unchanged
@@ -840,6 +845,7 @@ async fn replay_failed(options: &NatsOptions, args: ReplayArgs) -> Result<u8, Fa
         "action", "seq", "job", "reason", "attempts", "original subject", "age"
     );
     let mut problems = Vec::new();
+    let mut restorations = Vec::new();
     let summary = replay::replay(&js, &filter, args.dry_run, |record, outcome| {
         let action = match outcome {
             replay::Outcome::WouldReplay { .. } => "would replay",
@@ -858,11 +864,21 @@ async fn replay_failed(options: &NatsOptions, args: ReplayArgs) -> Result<u8, Fa
             replay::format_age(record.age(now)),
             record.detail,
         );
-        if let replay::Outcome::Skipped { why } | replay::Outcome::Kept { why } = outcome {
-            problems.push(format!("seq {} (job {}): {why}", record.seq, record.job_name()));
+        match outcome {
+            replay::Outcome::Skipped { why } | replay::Outcome::Kept { why } => {
+                problems.push(format!("seq {} (job {}): {why}", record.seq, record.job_name()));
+            }
+            replay::Outcome::WouldReplay { subject, restored: Some(restored), .. }
+            | replay::Outcome::Replayed { subject, restored: Some(restored), .. } => {
+                restorations.push(format!("seq {} (job {}): {restored}, to {subject}", record.seq, record.job_name()));
+            }
+            _ => {}
         }
     })
     .await;
+    for line in &restorations {
+        println!("{line}");
+    }
     for line in &problems {
         eprintln!("{line}");
     }

@@ -6,6 +6,14 @@
 //! once is not replayed twice in one run. Each record that matches the [`Filter`] is checked,
 //! republished byte for byte (same `Content-Type`) with `Nats-Msg-Id = <job>:replay:<seq>`, and
 //! deleted from the failed stream only after the PubAck: an interrupted replay loses nothing.
+//!
+//! Two records are not sent as they are:
+//! - a job that failed after the degrade ladder had lowered it goes back at the size and steps
+//!   its producer asked for (`degrade.from`), to the subject of that size: a replay is a new
+//!   try at the job, and whatever made it degrade (a busy card, a driver crash) may be gone;
+//!   the ladder lowers it again if not;
+//! - a job whose last outcome is a rendered result is skipped: a worker would settle its
+//!   replay at once without rendering, and "replayed" would promise a render that never comes.
 
 use std::str::FromStr;
 use std::time::{Duration, SystemTime};
@@ -15,8 +23,10 @@ use async_nats::jetstream::message::{PublishMessage, StreamMessage};
 use async_nats::jetstream::stream::{LastRawMessageErrorKind, Stream};
 use async_nats::jetstream;
 use bytes::Bytes;
+use shotfleet_schema::encoding::{self, ContentType};
 use shotfleet_schema::failure::{self, FailureReason};
-use shotfleet_schema::subject;
+use shotfleet_schema::subject::{self, SubjectClass};
+use shotfleet_schema::{Original, ResultStatus, ShotJob};
 
 /// Which records to replay. Empty lists match everything.
 #[derive(Debug, Clone, Default)]
@@ -171,16 +181,50 @@ impl Filter {
     }
 }
 
+/// A degraded job sent back as its producer asked for it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Restored {
+    /// The rung it failed on.
+    pub level: u32,
+    /// The size it failed at.
+    pub failed_width: u32,
+    pub failed_height: u32,
+    /// The size and steps it goes back at.
+    pub original: Original,
+}
+
+impl std::fmt::Display for Restored {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let Original { width, height, steps } = self.original;
+        write!(
+            f,
+            "sent at its requested {width}x{height}, {steps} steps (it failed {} rung(s) down its ladder, at {}x{})",
+            self.level, self.failed_width, self.failed_height
+        )
+    }
+}
+
+/// What a replay publishes for one record: where, what, and whether it was restored.
+#[derive(Debug, Clone)]
+struct Resend {
+    subject: String,
+    content_type: Option<String>,
+    payload: Bytes,
+    restored: Option<Restored>,
+}
+
 /// What happened to one matching record.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Outcome {
-    /// Dry run: this would be published to `subject` with `msg_id`.
-    WouldReplay { subject: String, msg_id: String },
+    /// Dry run: this would be published to `subject` with `msg_id`, restored to its requested
+    /// size when it had been degraded.
+    WouldReplay { subject: String, msg_id: String, restored: Option<Restored> },
     /// Published and the failed copy deleted. `duplicate`: the server already had `msg_id`
     /// (an earlier, interrupted replay queued it), so nothing was queued twice.
-    Replayed { subject: String, msg_id: String, duplicate: bool },
-    /// Left in place on purpose: it has no job id and its reason was not asked for.
+    Replayed { subject: String, msg_id: String, duplicate: bool, restored: Option<Restored> },
+    /// Left in place on purpose: it has no job id and its reason was not asked for, or its job
+    /// was rendered since it failed.
     Skipped { why: String },
     /// Could not be replayed; the record is kept.
     Kept { why: String },
@@ -204,7 +248,8 @@ pub struct ReplaySummary {
     pub replayed: usize,
     /// Replayed, already queued by an earlier interrupted run: only the failed copy was deleted.
     pub duplicates: usize,
-    /// Records without a job id, left because their reason was not asked for.
+    /// Records left on purpose: without a job id and their reason not asked for, or of a job
+    /// rendered since.
     pub skipped: usize,
     /// Records that could not be replayed and are kept.
     pub kept: usize,
@@ -235,6 +280,9 @@ pub async fn replay(
     let stream_err = |e: &dyn std::fmt::Display| ReplayError::Stream { stream: subject::FAILED_STREAM, detail: e.to_string() };
     let mut stream = js.get_stream(subject::FAILED_STREAM).await.map_err(|e| stream_err(&e))?;
     let last = stream.info().await.map_err(|e| stream_err(&e))?.state.last_sequence;
+    // Without the results stream (an older setup, a role that may not read it) every record is
+    // replayed: a worker still settles the replay of a rendered job without rendering it.
+    let results = js.get_stream(subject::RESULTS_STREAM).await.ok();
     let filter_subject = filter.subject();
     let mut summary = ReplaySummary::default();
     let mut next = 1;
@@ -255,7 +303,7 @@ pub async fn replay(
             continue;
         }
         summary.matched += 1;
-        let outcome = settle(js, &stream, filter, &record, dry_run).await;
+        let outcome = settle(js, &stream, results.as_ref(), filter, &record, dry_run).await;
         match &outcome {
             Outcome::WouldReplay { .. } => summary.would_replay += 1,
             Outcome::Replayed { duplicate: false, .. } => summary.replayed += 1,
@@ -269,22 +317,33 @@ pub async fn replay(
 }
 
 /// Decides, publishes and deletes one record.
-async fn settle(js: &jetstream::Context, stream: &Stream, filter: &Filter, record: &FailedRecord, dry_run: bool) -> Outcome {
+async fn settle(
+    js: &jetstream::Context,
+    stream: &Stream,
+    results: Option<&Stream>,
+    filter: &Filter,
+    record: &FailedRecord,
+    dry_run: bool,
+) -> Outcome {
     if record.job_id.is_none() && !filter.asks_for_unnamed(record) {
         let reason = if record.reason.is_empty() { "its reason" } else { record.reason.as_str() };
         return Outcome::Skipped {
             why: format!("no job id (undecodable payload); pass --reason {reason} to replay it as it is"),
         };
     }
-    let target = match check_subject(record) {
-        Ok(target) => target,
+    let resend = match check_subject(record).and_then(|target| Resend::of(record, target)) {
+        Ok(resend) => resend,
         Err(why) => return Outcome::Kept { why },
     };
-    let msg_id = record.replay_msg_id();
-    if dry_run {
-        return Outcome::WouldReplay { subject: target, msg_id };
+    if let Some(why) = rendered_since(results, record).await {
+        return Outcome::Skipped { why };
     }
-    let duplicate = match publish(js, record, &target, &msg_id).await {
+    let msg_id = record.replay_msg_id();
+    let Resend { subject: target, restored, .. } = resend.clone();
+    if dry_run {
+        return Outcome::WouldReplay { subject: target, msg_id, restored };
+    }
+    let duplicate = match publish(js, &resend, &msg_id).await {
         Ok(duplicate) => duplicate,
         Err(e) => return Outcome::Kept { why: format!("publishing to {target} failed: {e}; the record is kept") },
     };
@@ -297,7 +356,7 @@ async fn settle(js: &jetstream::Context, stream: &Stream, filter: &Filter, recor
             ),
         };
     }
-    Outcome::Replayed { subject: target, msg_id, duplicate }
+    Outcome::Replayed { subject: target, msg_id, duplicate, restored }
 }
 
 /// The record's original subject, if it is a job subject a worker serves.
@@ -316,18 +375,57 @@ fn check_subject(record: &FailedRecord) -> Result<String, String> {
     Ok(original.to_owned())
 }
 
-/// Publishes the payload as it was sent and waits for the PubAck; `Ok(true)` for a duplicate.
-async fn publish(js: &jetstream::Context, record: &FailedRecord, target: &str, msg_id: &str) -> Result<bool, String> {
+/// Why a record's job needs no replay: its last outcome is a rendered result. `None` when it
+/// has none, or it cannot be read (the replay then goes ahead; a worker settles it).
+async fn rendered_since(results: Option<&Stream>, record: &FailedRecord) -> Option<String> {
+    let (results, Some(project), Some(job_id)) = (results?, &record.project, &record.job_id) else { return None };
+    let outcome = shotfleet_schema::nats::outcome::last(results, project, job_id).await.ok()??;
+    outcome.result.is_rendered().then(|| {
+        let how = if outcome.result.status == ResultStatus::Degraded { "degraded" } else { "done" };
+        let ago = format_age(SystemTime::now().duration_since(outcome.stored).unwrap_or_default());
+        format!(
+            "already rendered ({how}, {ago} ago, by {}): a replay would render nothing; the record is kept for its reason until it expires",
+            outcome.result.worker
+        )
+    })
+}
+
+impl Resend {
+    /// The record as it goes back to `target`: byte for byte, unless it is a degraded job,
+    /// which goes back at its requested size to that size's subject, in its own encoding.
+    fn of(record: &FailedRecord, target: String) -> Result<Self, String> {
+        let as_is = |subject| Self { subject, content_type: record.content_type.clone(), payload: record.payload.clone(), restored: None };
+        // A payload that does not decode goes back as it is: a worker names why, again.
+        let Ok(job) = encoding::decode_job(record.content_type.as_deref(), &record.payload) else {
+            return Ok(as_is(target));
+        };
+        let Some(degrade) = job.degrade else { return Ok(as_is(target)) };
+        let Original { width, height, steps } = degrade.from;
+        let restored = Restored { level: degrade.level, failed_width: job.width, failed_height: job.height, original: degrade.from };
+        let original = ShotJob { width, height, steps, degrade: None, ..job };
+        let parsed = subject::parse_job(&target).map_err(|e| format!("{e}; the record is kept"))?;
+        let encoding = ContentType::from_header(record.content_type.as_deref()).unwrap_or_default();
+        Ok(Self {
+            subject: subject::job(parsed.priority, SubjectClass::Class(original.class()), &parsed.project),
+            content_type: Some(encoding.as_str().to_owned()),
+            payload: encoding::encode(encoding, &original).into(),
+            restored: Some(restored),
+        })
+    }
+}
+
+/// Publishes the payload and waits for the PubAck; `Ok(true)` for a duplicate.
+async fn publish(js: &jetstream::Context, resend: &Resend, msg_id: &str) -> Result<bool, String> {
     let mut headers = HeaderMap::new();
-    if let Some(content_type) = &record.content_type {
+    if let Some(content_type) = &resend.content_type {
         headers.insert(failure::CONTENT_TYPE, content_type.as_str());
     }
-    let message = PublishMessage::build().headers(headers).message_id(msg_id).payload(record.payload.clone());
-    let ack = js.send_publish(target.to_owned(), message).await.map_err(|e| e.to_string())?;
+    let message = PublishMessage::build().headers(headers).message_id(msg_id).payload(resend.payload.clone());
+    let ack = js.send_publish(resend.subject.clone(), message).await.map_err(|e| e.to_string())?;
     let ack = ack.await.map_err(|e| e.to_string())?;
     if ack.stream != subject::JOBS_STREAM {
         // Only a stream someone added by hand could take a job subject; the job is there now.
-        tracing::warn!(stream = %ack.stream, subject = target, "replayed job stored outside the jobs stream");
+        tracing::warn!(stream = %ack.stream, subject = %resend.subject, "replayed job stored outside the jobs stream");
     }
     Ok(ack.duplicate)
 }

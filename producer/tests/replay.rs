@@ -7,7 +7,7 @@ use std::time::Duration;
 use async_nats::HeaderMap;
 use async_nats::jetstream;
 use shotfleet_schema::encoding::{self, ContentType};
-use shotfleet_schema::{Priority, failure, subject};
+use shotfleet_schema::{Degrade, Original, Priority, ResultStatus, ShotJob, ShotResult, Timing, failure, subject};
 use shotfleet_testkit::nats::{NatsServer, ServerBinary, ServerOptions};
 
 mod support;
@@ -231,6 +231,84 @@ async fn a_replay_puts_the_original_payload_back_and_deletes_the_failed_copy() {
         assert!(text(&out).contains("replayed 0, duplicates 0, skipped 0, could not replay 0"), "{}", text(&out));
         assert_eq!(count(&js, subject::JOBS_STREAM).await, 2, "{binary:?}");
     }
+}
+
+#[tokio::test]
+async fn a_job_that_failed_degraded_goes_back_at_its_requested_size() {
+    let (server, js) = topology(ServerBinary::Current).await;
+    // A 1216x832, 30-step job the ladder lowered twice before it failed (a driver crash).
+    let mut job = encoding::decode_job(None, &job_payload("ep2-s4", "acme", ContentType::Json)).unwrap();
+    let original = Original { width: 1216, height: 832, steps: 30 };
+    job = ShotJob { width: 640, height: 448, steps: 30, degrade: Some(Degrade { level: 2, from: original }), ..job };
+    let failed_subject = subject::job(Priority::P0, shotfleet_schema::SubjectClass::Class(job.class()), "acme");
+    let seq = publish_failed(
+        &js,
+        Record {
+            priority: Priority::P0,
+            original_subject: Some(&failed_subject),
+            content_type: Some(ContentType::MessagePack),
+            payload: encoding::encode(ContentType::MessagePack, &job),
+            ..Record::job("ep2-s4", "acme", "driver")
+        },
+    )
+    .await;
+    let requested_class = shotfleet_schema::MemoryClass::of_size(1216, 832);
+    let requested_subject = format!("shots.p0.{}.acme", requested_class.as_str());
+    assert_ne!(requested_subject, failed_subject, "the test needs two classes");
+    let said = format!("seq {seq} (job acme/ep2-s4): sent at its requested 1216x832, 30 steps (it failed 2 rung(s) down its ladder, at 640x448), to {requested_subject}");
+
+    let out = shotfleet(&server.url(), &["replay", "--dry-run"]).await;
+    assert!(out.status.success() && text(&out).contains(&said), "the dry run says so: {}", text(&out));
+
+    let out = shotfleet(&server.url(), &["replay"]).await;
+    assert!(out.status.success() && text(&out).contains(&said), "{}", text(&out));
+    let jobs = js.get_stream(subject::JOBS_STREAM).await.unwrap();
+    let message = jobs.get_last_raw_message_by_subject(&requested_subject).await.unwrap();
+    assert_eq!(message.headers.get("Content-Type").unwrap().as_str(), "application/msgpack", "in its own encoding");
+    assert_eq!(message.headers.get("Nats-Msg-Id").unwrap().as_str(), format!("ep2-s4:replay:{seq}"));
+    let sent = encoding::decode_job(Some("application/msgpack"), &message.payload).unwrap();
+    assert_eq!((sent.width, sent.height, sent.steps, sent.degrade), (1216, 832, 30, None));
+    assert_eq!((sent.prompt, sent.seed), (job.prompt, job.seed), "the rest as it was");
+    assert_eq!(count(&js, subject::JOBS_STREAM).await, 1);
+    assert_eq!(count(&js, subject::FAILED_STREAM).await, 0);
+}
+
+#[tokio::test]
+async fn a_job_rendered_since_it_failed_is_skipped() {
+    let (server, js) = topology(ServerBinary::Current).await;
+    publish_failed(&js, Record::job("ep1-s1", "acme", "driver")).await;
+    publish_failed(&js, Record::job("ep1-s2", "acme", "driver")).await;
+    // ep1-s1 was rendered since (re-submitted with --again, or replayed by another operator).
+    let result = ShotResult {
+        v: 1,
+        job_id: "ep1-s1".into(),
+        project: "acme".into(),
+        shot_id: "s1".into(),
+        status: ResultStatus::Done,
+        images: vec![],
+        degrade: None,
+        worker: "gpu-7".into(),
+        device: "cpu".into(),
+        attempt: 1,
+        timing: Timing::default(),
+        finished_at_ms: 0,
+        failure: None,
+        notes: vec![],
+    };
+    let mut headers = HeaderMap::new();
+    headers.insert("Content-Type", ContentType::Json.as_str());
+    let payload = encoding::encode(ContentType::Json, &result);
+    js.publish_with_headers(subject::result("acme", "ep1-s1"), headers, payload.into()).await.unwrap().await.unwrap();
+
+    let out = shotfleet(&server.url(), &["replay"]).await;
+    assert!(out.status.success(), "a skip is not a problem: {}", text(&out));
+    assert_eq!(rows(&out, "skipped").len(), 1, "{}", text(&out));
+    assert!(rows(&out, "skipped")[0].contains("acme/ep1-s1"), "{}", text(&out));
+    let said = text(&out);
+    assert!(said.contains("already rendered (done, ") && said.contains("s ago, by gpu-7): a replay would render nothing"), "{said}");
+    assert!(text(&out).contains("replayed 1, duplicates 0, skipped 1"), "{}", text(&out));
+    assert_eq!(count(&js, subject::JOBS_STREAM).await, 1, "only the job still to render");
+    assert_eq!(count(&js, subject::FAILED_STREAM).await, 1, "the rendered job's record is kept");
 }
 
 #[tokio::test]
