@@ -209,18 +209,21 @@ fn delimiter(text: &str) -> u8 {
     [b',', b';', b'\t'].into_iter().max_by_key(|d| header.bytes().filter(|b| b == d).count()).unwrap_or(b',')
 }
 
-/// A quoted cell that runs over a line's end and closes only lines later with more text after
-/// its quote, or never: the csv crate reads on to the next quote, however many lines on, so the
-/// rows between vanish into one cell.
+/// A quoted cell that runs over a line's end. The csv crate reads a quoted cell on to the
+/// next quote, however many lines on, so a quote left open swallows the rows after it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct RunawayQuote {
+struct MultiLineCell {
     /// The line of the cell's opening quote.
     opened: usize,
     /// The line of the quote that ends it, `None` when none does.
     closed: Option<usize>,
+    /// Surely a quote left open: it never closes, or its closing quote has more text after
+    /// it. One that closes as RFC 4180 has it may be a multi-line prompt, or a runaway closed
+    /// by a quote that happened to stand before a separator (`24x36",`).
+    runaway: bool,
 }
 
-impl RunawayQuote {
+impl MultiLineCell {
     fn message(self) -> String {
         let fix = "close the quote on this line (a quote inside a cell is written \"\")";
         match self.closed {
@@ -230,12 +233,25 @@ impl RunawayQuote {
             None => format!("a quote opened on this line is never closed, so the rest of the file was read into one cell: {fix}"),
         }
     }
+
+    /// Said beside a row the csv crate could not read: a cell that spans lines is the likely
+    /// cause, even one that closes as a multi-line prompt would.
+    fn hint(self, problem: &str) -> String {
+        match (self.runaway, self.closed) {
+            (false, Some(closed)) => format!(
+                "{problem}: a quoted cell opened on this line runs to line {closed}, so lines {}-{closed} were read as one row; \
+                 if the cell was not meant to span lines, close its quote on this line (a quote inside a cell is written \"\")",
+                self.opened
+            ),
+            _ => self.message(),
+        }
+    }
 }
 
-/// The [`RunawayQuote`]s of a CSV text. As RFC 4180 has it, a quote inside a quoted cell is
+/// The [`MultiLineCell`]s of a CSV text. As RFC 4180 has it, a quote inside a quoted cell is
 /// doubled and the closing quote is followed by the separator or the line's end; a quoted
-/// cell of several lines that closes so is a multi-line prompt, not a runaway.
-fn runaway_quotes(text: &str, separator: u8) -> Vec<RunawayQuote> {
+/// cell of several lines that closes so may be a multi-line prompt.
+fn multi_line_cells(text: &str, separator: u8) -> Vec<MultiLineCell> {
     let bytes = text.as_bytes();
     let mut found = Vec::new();
     let (mut line, mut cell_start, mut i) = (1, true, 0);
@@ -251,8 +267,8 @@ fn runaway_quotes(text: &str, separator: u8) -> Vec<RunawayQuote> {
                 // Blanks after the closing quote are trimmed off the cell, as the reader does.
                 let next = bytes[i + 1..].iter().copied().find(|&b| b != b' ' && b != b'\t' || b == separator);
                 let ends_the_cell = next.is_none_or(|next| next == separator || next == b'\r' || next == b'\n');
-                if !ends_the_cell && line > opened {
-                    found.push(RunawayQuote { opened, closed: Some(line) });
+                if line > opened {
+                    found.push(MultiLineCell { opened, closed: Some(line), runaway: !ends_the_cell });
                 }
             }
             Some(_) => {}
@@ -264,7 +280,7 @@ fn runaway_quotes(text: &str, separator: u8) -> Vec<RunawayQuote> {
         }
         i += 1;
     }
-    found.extend(quoted.map(|opened| RunawayQuote { opened, closed: None }));
+    found.extend(quoted.map(|opened| MultiLineCell { opened, closed: None, runaway: true }));
     found
 }
 
@@ -293,21 +309,23 @@ fn csv_rows(text: &str, ignore: &[String]) -> Vec<Row> {
         );
         return vec![Err(LineError { line: 1, field: unknown.to_owned(), message })];
     }
-    let runaways = runaway_quotes(text, separator);
+    let spanning = multi_line_cells(text, separator);
     let mut lines = Lines { text, at: 0, line: 1 };
     reader
         .records()
         .map(|record| {
             let record = record.map_err(|e| {
                 let line = e.position().map_or(0, |p| lines.of_record_at(p.byte()));
-                match runaways.iter().find(|r| r.opened == line) {
-                    Some(runaway) => whole_line(line, runaway.message()),
-                    None => whole_line(line, format!("malformed CSV: {}", csv_error_kind(&e))),
+                // A record's first cell of several lines opens on the record's first line.
+                let problem = format!("malformed CSV: {}", csv_error_kind(&e));
+                match spanning.iter().find(|cell| cell.opened == line) {
+                    Some(cell) => whole_line(line, cell.hint(&problem)),
+                    None => whole_line(line, problem),
                 }
             })?;
             let line = record.position().map_or(0, |p| lines.of_record_at(p.byte()));
             let spans = record.iter().map(|cell| cell.matches('\n').count()).sum::<usize>();
-            if let Some(runaway) = runaways.iter().find(|r| (line..=line + spans).contains(&r.opened)) {
+            if let Some(runaway) = spanning.iter().find(|cell| cell.runaway && (line..=line + spans).contains(&cell.opened)) {
                 return Err(whole_line(runaway.opened, runaway.message()));
             }
             // A spreadsheet's export ends in rows of empty cells: nothing, as a blank line is.
@@ -581,6 +599,15 @@ not json
         let board = parse(&text, Format::Csv, &Limits::default());
         assert_eq!(board.errors[0].line, 2, "{:?}", board.errors);
         assert!(board.errors[0].message.contains("is never closed"), "{}", board.errors[0].message);
+        // Closed as a multi-line cell would be (an inch mark at a line's end) but the row comes
+        // out short: the cell that spans the lines is named beside the field count.
+        let text = format!("{header},notes\na1,p,s1,\"a cat,64,64,2,5,1,\na2,p,s2,x,64,64,2,5,1,poster 24x36\"\na3,p,s3,x,64,64,2,5,1,\n");
+        let board = parse_ignoring(&text, Format::Csv, &Limits::default(), &["notes".into()]);
+        assert_eq!(board.errors.len(), 1, "{:?}", board.errors);
+        assert_eq!(board.errors[0].line, 2);
+        let message = &board.errors[0].message;
+        assert!(message.contains("4 fields where the header has 10: a quoted cell opened on this line runs to line 3, so lines 2-3"), "{message}");
+        assert_eq!(board.shots.iter().map(|s| s.job.job_id.as_str()).collect::<Vec<_>>(), ["a3"]);
         // Cells of several lines, quoted as spreadsheets write them, are prompts: comma-heavy
         // lines, a quote inside written twice, the first column.
         let text = format!(
