@@ -22,23 +22,31 @@ fn capped(id: &str, store: &std::path::Path, classes: &'static str, mib: u64) ->
     spec
 }
 
-/// One worker alone, capped below a 1024² render: the job goes down the ladder and renders.
-/// (Where the worker stops admitting the class before it takes the job again, its watch of the
-/// classes nobody admits, its own included, is what sends the job down; here it takes it again
-/// first, so this covers the lone worker's ladder, not that watch.)
+/// One worker alone, capped below a 1024² render, with a long handoff: each out-of-memory raises
+/// its estimate until the class no longer fits its room, and it stops fetching the class with
+/// the job still queued there. Its watch of the classes nobody admits, its own included, sends
+/// the job down (before, it watched only classes above those it serves, and the job waited
+/// forever: an outside tester's run); then the ladder renders it.
 #[tokio::test]
 async fn a_lone_worker_that_stops_admitting_a_class_degrades_its_jobs() {
     let server = NatsServer::start();
     let js = jetstream_with(&server.url(), &Topology::default()).await;
     let store = tempfile::tempdir().unwrap();
-    let lone = Worker::start(&server.url(), capped("lone-card", store.path(), "[\"xs\", \"s\", \"m\"]", 200));
+    let mut spec = capped("lone-card", store.path(), "[\"xs\", \"s\", \"m\"]", 200);
+    // Five or so out-of-memory cycles (about 1.4 s each here) carry the estimate past the room;
+    // the handoff must not end first, or the worker degrades the job itself.
+    spec.extra = "[degrade]\nhandoff = \"30s\"\n".into();
+    let lone = Worker::start(&server.url(), spec);
     let mut j = job("lone-1", "acme", (1024, 1024), 2, 1);
     j.floor = Some(Floor { min_side: 256, min_steps: 2 });
     let s = shot(Priority::P1, j);
     submit(&js, std::slice::from_ref(&s)).await;
-    let result = results(&outcomes(&js, &[s], Duration::from_secs(120)).await).remove(0);
+    let result = results(&outcomes(&js, &[s], Duration::from_secs(180)).await).remove(0);
     assert_eq!(result.status, ResultStatus::Degraded, "{}", lone.log());
     assert!(result.images[0].width < 1024, "{result:?}");
+    let log = lone.plain_log();
+    let watched = log.lines().find(|l| l.contains("no live worker holds this class: degrading without rendering"));
+    assert!(watched.is_some_and(|l| l.contains("class=m")), "the watch sent it down, not the worker's own handoff:\n{log}");
 }
 
 #[tokio::test]
