@@ -49,6 +49,63 @@ async fn a_lone_worker_that_stops_admitting_a_class_degrades_its_jobs() {
     assert!(watched.is_some_and(|l| l.contains("class=m")), "the watch sent it down, not the worker's own handoff:\n{log}");
 }
 
+/// A job that failed after the ladder lowered it is replayed at the size it was asked for: the
+/// failed record holds the 768x768 copy it failed as, and a roomier card renders it whole.
+#[tokio::test]
+async fn a_replayed_job_that_failed_degraded_renders_at_its_requested_size() {
+    let server = NatsServer::start();
+    let js = jetstream_with(&server.url(), &Topology::default()).await;
+    let store = tempfile::tempdir().unwrap();
+    let mut small = Worker::start(&server.url(), capped("small-card", store.path(), "[\"s\", \"m\"]", 200));
+    let mut j = job("replay-deg-1", "acme", (1024, 1024), 2, 1);
+    // One rung down (768x768) and no further: the capped card fails it there.
+    j.floor = Some(Floor { min_side: 768, min_steps: 2 });
+    let s = shot(Priority::P1, j);
+    submit(&js, std::slice::from_ref(&s)).await;
+    match outcomes(&js, std::slice::from_ref(&s), Duration::from_secs(120)).await.remove("replay-deg-1") {
+        Some(Outcome::Failed { reason, .. }) => assert_eq!(reason, "oom", "{}", small.log()),
+        other => panic!("expected a failure below the floor, got {other:?}\n{}", small.log()),
+    }
+    assert!(small.log().contains("re-published one rung down"), "{}", small.log());
+    small.terminate(Duration::from_secs(20));
+
+    let mut roomy = WorkerSpec::new("roomy-card", store.path());
+    roomy.classes = "[\"s\", \"m\"]";
+    // A card that plans a 1024x1024 image within its room (a 4 GiB one does not serve m).
+    roomy.total_mib = 16384;
+    let roomy = Worker::start(&server.url(), roomy);
+    let filter = shotfleet_producer::replay::Filter { jobs: vec!["replay-deg-1".into()], ..Default::default() };
+    let mut restored = Vec::new();
+    let summary = shotfleet_producer::replay::replay(&js, &filter, false, |_, outcome| {
+        if let shotfleet_producer::replay::Outcome::Replayed { restored: Some(r), subject, .. } = outcome {
+            restored.push((*r, subject.clone()));
+        }
+    })
+    .await
+    .unwrap();
+    assert_eq!(summary.replayed, 1, "{summary:?}");
+    let (r, to) = restored.pop().expect("the replay says it restored the job");
+    assert_eq!((r.level, r.failed_width, r.failed_height), (1, 768, 768));
+    assert_eq!((r.original.width, r.original.height, r.original.steps), (1024, 1024, 2));
+    assert_eq!(to, "shots.p1.m.acme", "to the requested size's class");
+
+    // The failure stays the last outcome until the replay's result lands.
+    let results_stream = js.get_stream(subject::RESULTS_STREAM).await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let result = loop {
+        let last = shotfleet_schema::nats::outcome::last(&results_stream, "acme", "replay-deg-1").await.unwrap();
+        if let Some(last) = last.filter(|o| o.result.is_rendered()) {
+            break last.result;
+        }
+        assert!(Instant::now() < deadline, "{}", roomy.log());
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    };
+    assert_eq!((result.status, result.worker.as_str()), (ResultStatus::Done, "roomy-card"), "{}", roomy.plain_log());
+    assert_eq!(result.degrade, None, "rendered as asked");
+    assert_eq!((result.images[0].width, result.images[0].height), (1024, 1024));
+    check_store(store.path(), &result);
+}
+
 #[tokio::test]
 async fn out_of_memory_goes_down_the_ladder_to_a_smaller_worker() {
     let server = NatsServer::start();
