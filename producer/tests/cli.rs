@@ -5,12 +5,12 @@ use std::path::{Path, PathBuf};
 use async_nats::jetstream;
 use async_nats::HeaderMap;
 use futures::StreamExt;
-use shotfleet_schema::encoding::{self, ContentType};
-use shotfleet_schema::{failure, subject, ResultStatus, ShotJob, ShotResult, Timing};
+use shotfleet_schema::encoding;
+use shotfleet_schema::{failure, subject, ShotJob};
 use shotfleet_testkit::nats::{NatsServer, ServerBinary, ServerOptions};
 
 mod support;
-use support::{shotfleet, text};
+use support::{publish_done, shotfleet, text};
 
 fn demo_storyboard() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/demo/storyboard.jsonl")
@@ -246,33 +246,7 @@ async fn answer_jobs(url: String, fail_job: &'static str) {
                 .await
                 .unwrap();
         } else {
-            let result = ShotResult {
-                v: 1,
-                job_id: job.job_id.clone(),
-                project: job.project.clone(),
-                shot_id: job.shot_id.clone(),
-                status: ResultStatus::Done,
-                images: vec![],
-                degrade: None,
-                worker: "test".into(),
-                device: "cpu".into(),
-                attempt: 1,
-                timing: Timing::default(),
-                finished_at_ms: 0,
-                failure: None,
-                notes: vec![],
-            };
-            let mut headers = HeaderMap::new();
-            headers.insert("Content-Type", ContentType::Json.as_str());
-            js.publish_with_headers(
-                subject::result(&job.project, &job.job_id),
-                headers,
-                encoding::encode(ContentType::Json, &result).into(),
-            )
-            .await
-            .unwrap()
-            .await
-            .unwrap();
+            publish_done(&js, &job.project, &job.job_id, &job.shot_id, "test").await;
         }
         message.ack().await.unwrap();
     }

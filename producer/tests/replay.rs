@@ -7,11 +7,11 @@ use std::time::Duration;
 use async_nats::HeaderMap;
 use async_nats::jetstream;
 use shotfleet_schema::encoding::{self, ContentType};
-use shotfleet_schema::{Degrade, Original, Priority, ResultStatus, ShotJob, ShotResult, Timing, failure, subject};
+use shotfleet_schema::{Degrade, Original, Priority, ShotJob, failure, subject};
 use shotfleet_testkit::nats::{NatsServer, ServerBinary, ServerOptions};
 
 mod support;
-use support::{shotfleet, text};
+use support::{publish_done, shotfleet, text};
 
 
 /// The table rows (stdout lines) whose action column is `action`.
@@ -279,26 +279,7 @@ async fn a_job_rendered_since_it_failed_is_skipped() {
     publish_failed(&js, Record::job("ep1-s1", "acme", "driver")).await;
     publish_failed(&js, Record::job("ep1-s2", "acme", "driver")).await;
     // ep1-s1 was rendered since (re-submitted with --again, or replayed by another operator).
-    let result = ShotResult {
-        v: 1,
-        job_id: "ep1-s1".into(),
-        project: "acme".into(),
-        shot_id: "s1".into(),
-        status: ResultStatus::Done,
-        images: vec![],
-        degrade: None,
-        worker: "gpu-7".into(),
-        device: "cpu".into(),
-        attempt: 1,
-        timing: Timing::default(),
-        finished_at_ms: 0,
-        failure: None,
-        notes: vec![],
-    };
-    let mut headers = HeaderMap::new();
-    headers.insert("Content-Type", ContentType::Json.as_str());
-    let payload = encoding::encode(ContentType::Json, &result);
-    js.publish_with_headers(subject::result("acme", "ep1-s1"), headers, payload.into()).await.unwrap().await.unwrap();
+    publish_done(&js, "acme", "ep1-s1", "s1", "gpu-7").await;
 
     let out = shotfleet(&server.url(), &["replay"]).await;
     assert!(out.status.success(), "a skip is not a problem: {}", text(&out));
