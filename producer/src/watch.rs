@@ -96,9 +96,13 @@ fn draw(frame: &str, interactive: bool) -> std::io::Result<()> {
         queue!(out, cursor::MoveTo(0, 0), terminal::Clear(terminal::ClearType::All))?;
         let stamp = humantime::format_rfc3339_seconds(std::time::SystemTime::now());
         write!(out, "shotfleet status at {stamp} (q to quit)\r\n\r\n")?;
+        // A line wider than the terminal would wrap and push the frame's end off the screen:
+        // it is cut at the edge (the plain output keeps whole lines for logs and pipes).
+        let width = terminal::size().map_or(usize::MAX, |(columns, _)| usize::from(columns.max(1)));
         // Raw mode: a line feed does not return the carriage.
         for line in frame.lines() {
-            write!(out, "{line}\r\n")?;
+            let shown: String = line.chars().take(width).collect();
+            write!(out, "{shown}\r\n")?;
         }
     } else {
         writeln!(out, "{frame}")?;
