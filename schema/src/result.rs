@@ -108,7 +108,8 @@ pub struct ImageRef {
 /// Milliseconds spent in each phase of a job.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 pub struct Timing {
-    /// From publish (the stream's timestamp) to the worker's fetch.
+    /// From the job's publish (the stream's timestamp; a worker's copy, routed or one rung down
+    /// its ladder, counts from its original's) until a render slot took it.
     pub queue_ms: u64,
     /// The render: text encoders, UNet steps and VAE decodes, until the images' pixels are out.
     pub render_ms: u64,

@@ -130,6 +130,9 @@ async fn out_of_memory_goes_down_the_ladder_to_a_smaller_worker() {
     assert_eq!(degrade.level, 1);
     assert_eq!((degrade.from.width, degrade.from.height, degrade.from.steps), (768, 768, 2));
     assert_eq!((result.images[0].width, result.images[0].height), (512, 512), "one class down, aspect kept");
+    // Its queue wait counts from the job's own publish, not its copy's: it spent the 2 s
+    // handoff and more on A before it went down.
+    assert!(result.timing.queue_ms >= 2000, "queue_ms {}", result.timing.queue_ms);
     check_store(store.path(), &result);
     // A saw a real ONNX Runtime allocation failure, twice (nak, then the in-place rungs).
     let log = big.log();

@@ -21,7 +21,7 @@
 //! | name | type | labels | meaning |
 //! | --- | --- | --- | --- |
 //! | `shotfleet_jobs_total` | counter | `outcome`, `priority`, `class` | jobs that left this worker. `outcome`: `done`, `degraded` (rendered below the requested quality), `failed` (to the failed stream), `nak` (handed back), `routed` (re-published to its class subject unrendered), `degrade_republished` (re-published one rung down), `duplicate_skip` (a result already existed), `cancelled` (settled by its cancellation). `priority`: `p0`..`p2`. `class`: `xs`..`xl`, or `auto` |
-//! | `shotfleet_queue_wait_seconds` | histogram | `priority` | publish to fetch; a growing `p2` tail with flat `p0` is the priority policy at work, a growing `p0` tail means too few workers |
+//! | `shotfleet_queue_wait_seconds` | histogram | `priority` | publish to render (a routed or degraded copy counts from its original's publish); a growing `p2` tail with flat `p0` is the priority policy at work, a growing `p0` tail means too few workers |
 //! | `shotfleet_render_seconds` | histogram | `class` | one job's render, all its images |
 //! | `shotfleet_upload_seconds` | histogram | | one job's upload, store retries included |
 //! | `shotfleet_budget_free_bytes` | gauge | | GPU memory budget not yet promised to jobs |

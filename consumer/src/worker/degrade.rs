@@ -18,7 +18,7 @@ use shotfleet_schema::{Degrade, MemoryClass, Original, ShotJob};
 
 use crate::failure::JobError;
 use crate::worker::Shared;
-use crate::worker::delivery::Delivery;
+use crate::worker::delivery::{Delivery, QUEUED_SINCE_HEADER};
 
 /// `[degrade]`: the ladder's lower end for jobs that name no floor, and how long a job that ran
 /// out of memory is offered to the fleet at full size before it is degraded.
@@ -63,6 +63,7 @@ pub async fn republish(shared: &Shared, delivery: &Delivery, smaller: &ShotJob) 
     let mut headers = async_nats::HeaderMap::new();
     headers.insert(encoding::HEADER, ContentType::MessagePack.as_str());
     headers.insert("Nats-Msg-Id", subject::msg_id::degrade(&smaller.project, &smaller.job_id, level, delivery.stream_sequence).as_str());
+    headers.insert(QUEUED_SINCE_HEADER, delivery.queued_since_header().as_str());
     let payload = encoding::encode(ContentType::MessagePack, smaller);
     let stored = match shared.js.publish_with_headers(target.clone(), headers, payload.into()).await {
         Ok(ack) => ack.await.map(drop).map_err(|e| e.to_string()),

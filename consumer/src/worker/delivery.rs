@@ -15,6 +15,11 @@ pub struct Origin {
     pub class: SubjectClass,
 }
 
+/// The header a worker's copy of a job (routed from `auto`, or one rung down its ladder) carries:
+/// when the job was first queued, milliseconds since the Unix epoch, so that its queue wait
+/// counts from there and not from the copy.
+pub const QUEUED_SINCE_HEADER: &str = "Shotfleet-Queued-Since";
+
 /// A fetched message with its delivery facts.
 #[derive(Debug, Clone)]
 pub struct Delivery {
@@ -25,11 +30,26 @@ pub struct Delivery {
     pub stream_sequence: u64,
     /// When the job was published (the stream's timestamp).
     pub published: SystemTime,
-    /// How long the job waited before it was dealt to a render slot: in the stream, then in
-    /// this worker's reserve (reserve.rs).
+    /// When the job was first queued: [`Self::published`], or for a worker's copy the original's
+    /// time ([`QUEUED_SINCE_HEADER`]).
+    pub queued_since: SystemTime,
+    /// How long the job waited before it was dealt to a render slot: in the stream (its
+    /// original's time included), then in this worker's reserve (reserve.rs).
     pub queued: Duration,
     /// Jobs its consumer still had waiting behind it when it was delivered.
     pub pending: u64,
+}
+
+/// When the job in `message` was first queued: its copy's header where that names an earlier
+/// time than the copy's own, else `published`. Only the metrics and the result's `queue_ms`
+/// read it, so a producer that writes the header fools nothing but its own figures.
+fn queued_since(message: &jetstream::Message, published: SystemTime) -> SystemTime {
+    let header = message.headers.as_ref().and_then(|h| shotfleet_schema::nats::header_value(h, QUEUED_SINCE_HEADER));
+    header
+        .and_then(|ms| ms.trim().parse::<u64>().ok())
+        .map(|ms| SystemTime::UNIX_EPOCH + Duration::from_millis(ms))
+        .filter(|&since| since <= published)
+        .unwrap_or(published)
 }
 
 impl Delivery {
@@ -38,8 +58,15 @@ impl Delivery {
             Ok(info) => (info.delivered.max(1) as u64, info.stream_sequence, SystemTime::from(info.published), info.pending),
             Err(_) => (1, 0, SystemTime::now(), 0),
         };
-        let queued = SystemTime::now().duration_since(published).unwrap_or_default();
-        Self { message, origin, attempt, stream_sequence, published, queued, pending }
+        let queued_since = queued_since(&message, published);
+        let queued = SystemTime::now().duration_since(queued_since).unwrap_or_default();
+        Self { message, origin, attempt, stream_sequence, published, queued_since, queued, pending }
+    }
+
+    /// The [`QUEUED_SINCE_HEADER`] value a copy of this job carries.
+    pub fn queued_since_header(&self) -> String {
+        let ms = self.queued_since.duration_since(SystemTime::UNIX_EPOCH).unwrap_or_default().as_millis();
+        ms.to_string()
     }
 
     pub fn subject(&self) -> &str {

@@ -211,7 +211,7 @@ impl Reserve {
         let mut group: Vec<Kept> = taken.into_iter().map(|waiting| waiting.kept).collect();
         for kept in &mut group {
             // The wait a result reports is up to its render: in the stream and in this reserve.
-            kept.delivery.queued = SystemTime::now().duration_since(kept.delivery.published).unwrap_or_default();
+            kept.delivery.queued = SystemTime::now().duration_since(kept.delivery.queued_since).unwrap_or_default();
         }
         group
     }

@@ -1,13 +1,14 @@
 //! Routing: jobs on `auto` (or on a class their payload does not match) are re-published to
-//! their class subject, cheaply and without rendering, with `Nats-Msg-Id = <job>:route`; the
-//! original is acked (by `settle`) only after the server has the copy.
+//! their class subject, cheaply and without rendering, with `Nats-Msg-Id = <key>:route:<seq>`
+//! and the original's queue time (`Shotfleet-Queued-Since`); the original is acked (by `settle`)
+//! only after the server has the copy.
 
 use shotfleet_schema::subject::{self, SubjectClass};
 use shotfleet_schema::{ShotJob, encoding};
 
 use crate::failure::JobError;
 use crate::worker::Shared;
-use crate::worker::delivery::Delivery;
+use crate::worker::delivery::{Delivery, QUEUED_SINCE_HEADER};
 
 /// Whether the job must move: `auto`, or a payload of another class than its subject's.
 pub fn needs_routing(delivery: &Delivery, job: &ShotJob) -> bool {
@@ -22,7 +23,8 @@ pub async fn reroute(shared: &Shared, delivery: &Delivery, job: &ShotJob) -> Res
     let target = subject::job(delivery.origin.priority, SubjectClass::Class(job.class()), &job.project);
     let content_type = delivery.content_type();
     let id = subject::msg_id::route(&job.project, &job.job_id, delivery.stream_sequence);
-    let mut pairs = vec![("Nats-Msg-Id", id.as_str())];
+    let since = delivery.queued_since_header();
+    let mut pairs = vec![("Nats-Msg-Id", id.as_str()), (QUEUED_SINCE_HEADER, since.as_str())];
     pairs.extend(content_type.as_deref().map(|ct| (encoding::HEADER, ct)));
     let headers = shotfleet_schema::nats::header_map(pairs);
     let stored = match shared.js.publish_with_headers(target.clone(), headers, delivery.message.payload.clone()).await {
