@@ -89,18 +89,21 @@ struct LoraPushArgs {
 }
 
 const REPLAY_HELP: &str = "\
-Each matching record's payload goes back, byte for byte and with its Content-Type, to the subject
-it was taken from (Shotfleet-Original-Subject), with Nats-Msg-Id <job>:replay:<seq> (seq: the
-record's sequence in SHOTS_FAILED). The failed copy is deleted only after the server acknowledged
-the publish. Interrupting a replay is safe: rerun it. A job the interrupted run had queued is a
+Each matching record's payload goes back, byte for byte and with its Content-Type (but for the
+kinds of record below), to the subject it was taken from (Shotfleet-Original-Subject), with
+Nats-Msg-Id <job>:replay:<seq> (seq: the record's sequence in SHOTS_FAILED). The failed copy is
+deleted only after the server acknowledged the publish. Interrupting a replay is safe: rerun it. A job the interrupted run had queued is a
 duplicate inside the duplicate window (20 min by default): it is not queued twice, only its failed
 copy is deleted. (Rerun later than that and the job is queued a second time; a worker that finds
 its result already published skips it.)
 
-A job that failed after the degrade ladder lowered it goes back at the size and steps its producer
-asked for, to that size's subject (a line after the table says so): a replay is a new try, and the
-ladder lowers it again if it must. A job whose last outcome is a rendered result is skipped (a
-replay would render nothing); its record stays until the stream's max age.
+Each record's job's last outcome is read first (a warning says so when it cannot be):
+- a job rendered since is not replayed (a worker would settle its replay without rendering it),
+  and its record is deleted, as a worker deletes the record of a job another one finished;
+- a job cancelled after it failed is skipped: `submit --again` renders it anew;
+- a job that failed after the degrade ladder lowered it goes back at the size and steps its
+  producer asked for, to that size's subject (a line after the table says so): a replay is a new
+  try, and the ladder lowers it again if it must.
 
 Records without a job id (their payload could not be decoded; reason invalid) are kept unless
 their reason is asked for with --reason (e.g. --reason invalid): then they are published as they
@@ -845,12 +848,13 @@ async fn replay_failed(options: &NatsOptions, args: ReplayArgs) -> Result<u8, Fa
         "action", "seq", "job", "reason", "attempts", "original subject", "age"
     );
     let mut problems = Vec::new();
-    let mut restorations = Vec::new();
+    let mut notes = Vec::new();
     let summary = replay::replay(&js, &filter, args.dry_run, |record, outcome| {
         let action = match outcome {
             replay::Outcome::WouldReplay { .. } => "would replay",
             replay::Outcome::Replayed { duplicate: false, .. } => "replayed",
             replay::Outcome::Replayed { duplicate: true, .. } => "duplicate",
+            replay::Outcome::Rendered { .. } => "rendered",
             replay::Outcome::Skipped { .. } => "skipped",
             _ => "kept",
         };
@@ -864,34 +868,40 @@ async fn replay_failed(options: &NatsOptions, args: ReplayArgs) -> Result<u8, Fa
             replay::format_age(record.age(now)),
             record.detail,
         );
+        let named = format!("seq {} (job {})", record.seq, record.job_name());
         match outcome {
-            replay::Outcome::Skipped { why } | replay::Outcome::Kept { why } => {
-                problems.push(format!("seq {} (job {}): {why}", record.seq, record.job_name()));
+            replay::Outcome::Skipped { why } | replay::Outcome::Kept { why } => problems.push(format!("{named}: {why}")),
+            replay::Outcome::Rendered { why } => notes.push(format!("{named}: {why}")),
+            replay::Outcome::WouldReplay { subject, restored: Some(restored), .. } => {
+                notes.push(format!("{named}: would be sent at {restored}, to {subject}"));
             }
-            replay::Outcome::WouldReplay { subject, restored: Some(restored), .. }
-            | replay::Outcome::Replayed { subject, restored: Some(restored), .. } => {
-                restorations.push(format!("seq {} (job {}): {restored}, to {subject}", record.seq, record.job_name()));
+            // A duplicate was queued by the interrupted run, as that run sent it.
+            replay::Outcome::Replayed { subject, restored: Some(restored), duplicate: false, .. } => {
+                notes.push(format!("{named}: sent at {restored}, to {subject}"));
             }
             _ => {}
         }
     })
     .await;
-    for line in &restorations {
+    for line in &notes {
         println!("{line}");
     }
     for line in &problems {
         eprintln!("{line}");
     }
     let summary = summary.map_err(server)?;
+    if let Some(why) = &summary.unchecked {
+        eprintln!("the jobs' last outcomes were not checked ({why}): records of jobs rendered or cancelled since were replayed too; a worker settles a rendered job's replay without rendering it");
+    }
     if args.dry_run {
         println!(
-            "dry run: {} matching, would replay {}, would skip {}, cannot replay {}; nothing changed",
-            summary.matched, summary.would_replay, summary.skipped, summary.kept
+            "dry run: {} matching, would replay {}, would skip {}, cannot replay {}, already rendered {}; nothing changed",
+            summary.matched, summary.would_replay, summary.skipped, summary.kept, summary.rendered
         );
     } else {
         println!(
-            "summary: replayed {}, duplicates {}, skipped {}, could not replay {}",
-            summary.replayed, summary.duplicates, summary.skipped, summary.kept
+            "summary: replayed {}, duplicates {}, skipped {}, could not replay {}, already rendered {} (records deleted)",
+            summary.replayed, summary.duplicates, summary.skipped, summary.kept, summary.rendered
         );
         if summary.duplicates > 0 {
             println!(

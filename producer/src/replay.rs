@@ -7,13 +7,16 @@
 //! republished byte for byte (same `Content-Type`) with `Nats-Msg-Id = <job>:replay:<seq>`, and
 //! deleted from the failed stream only after the PubAck: an interrupted replay loses nothing.
 //!
-//! Two records are not sent as they are:
+//! Except for three kinds of record, decided by the job's payload and its last outcome:
 //! - a job that failed after the degrade ladder had lowered it goes back at the size and steps
-//!   its producer asked for (`degrade.from`), to the subject of that size: a replay is a new
-//!   try at the job, and whatever made it degrade (a busy card, a driver crash) may be gone;
-//!   the ladder lowers it again if not;
-//! - a job whose last outcome is a rendered result is skipped: a worker would settle its
-//!   replay at once without rendering, and "replayed" would promise a render that never comes.
+//!   its producer asked for (`degrade.from`, where a worker could have written it), to the
+//!   subject of that size: a replay is a new try at the job, and whatever made it degrade (a busy
+//!   card, a driver crash) may be gone; the ladder lowers it again if not;
+//! - a job whose last outcome is a rendered result is not sent, and its record is deleted (as a
+//!   worker deletes the record of a job another finished): a worker would settle the replay
+//!   without rendering, and "replayed" would promise a render that never comes;
+//! - a job cancelled after it failed is not sent: its owner stopped it, and `submit --again`
+//!   renders it anew if they want it.
 
 use std::str::FromStr;
 use std::time::{Duration, SystemTime};
@@ -25,7 +28,8 @@ use async_nats::jetstream;
 use bytes::Bytes;
 use shotfleet_schema::encoding::{self, ContentType};
 use shotfleet_schema::failure::{self, FailureReason};
-use shotfleet_schema::subject::{self, SubjectClass};
+use shotfleet_schema::nats::outcome::{self, OutcomeError};
+use shotfleet_schema::subject::{self, JobSubject, SubjectClass};
 use shotfleet_schema::{Original, ResultStatus, ShotJob};
 
 /// Which records to replay. Empty lists match everything.
@@ -198,7 +202,7 @@ impl std::fmt::Display for Restored {
         let Original { width, height, steps } = self.original;
         write!(
             f,
-            "sent at its requested {width}x{height}, {steps} steps (it failed {} rung(s) down its ladder, at {}x{})",
+            "its requested {width}x{height}, {steps} steps (it failed {} rung(s) down its ladder, at {}x{})",
             self.level, self.failed_width, self.failed_height
         )
     }
@@ -223,8 +227,11 @@ pub enum Outcome {
     /// Published and the failed copy deleted. `duplicate`: the server already had `msg_id`
     /// (an earlier, interrupted replay queued it), so nothing was queued twice.
     Replayed { subject: String, msg_id: String, duplicate: bool, restored: Option<Restored> },
+    /// Its job was rendered since (or before, by another copy): nothing to replay. The record
+    /// is deleted (dry run: would be).
+    Rendered { why: String },
     /// Left in place on purpose: it has no job id and its reason was not asked for, or its job
-    /// was rendered since it failed.
+    /// was cancelled since it failed.
     Skipped { why: String },
     /// Could not be replayed; the record is kept.
     Kept { why: String },
@@ -248,11 +255,16 @@ pub struct ReplaySummary {
     pub replayed: usize,
     /// Replayed, already queued by an earlier interrupted run: only the failed copy was deleted.
     pub duplicates: usize,
+    /// Records of jobs rendered since: deleted, not replayed (dry run: would be).
+    pub rendered: usize,
     /// Records left on purpose: without a job id and their reason not asked for, or of a job
-    /// rendered since.
+    /// cancelled since.
     pub skipped: usize,
     /// Records that could not be replayed and are kept.
     pub kept: usize,
+    /// Why the jobs' last outcomes were not read for some records (the results stream refused
+    /// or did not answer): those were replayed without the check.
+    pub unchecked: Option<String>,
 }
 
 /// The failed stream could not be read.
@@ -280,9 +292,7 @@ pub async fn replay(
     let stream_err = |e: &dyn std::fmt::Display| ReplayError::Stream { stream: subject::FAILED_STREAM, detail: e.to_string() };
     let mut stream = js.get_stream(subject::FAILED_STREAM).await.map_err(|e| stream_err(&e))?;
     let last = stream.info().await.map_err(|e| stream_err(&e))?.state.last_sequence;
-    // Without the results stream (an older setup, a role that may not read it) every record is
-    // replayed: a worker still settles the replay of a rendered job without rendering it.
-    let results = js.get_stream(subject::RESULTS_STREAM).await.ok();
+    let mut outcomes = LastOutcomes::open(js).await;
     let filter_subject = filter.subject();
     let mut summary = ReplaySummary::default();
     let mut next = 1;
@@ -303,16 +313,18 @@ pub async fn replay(
             continue;
         }
         summary.matched += 1;
-        let outcome = settle(js, &stream, results.as_ref(), filter, &record, dry_run).await;
+        let outcome = settle(js, &stream, &mut outcomes, filter, &record, dry_run).await;
         match &outcome {
             Outcome::WouldReplay { .. } => summary.would_replay += 1,
             Outcome::Replayed { duplicate: false, .. } => summary.replayed += 1,
             Outcome::Replayed { duplicate: true, .. } => summary.duplicates += 1,
+            Outcome::Rendered { .. } => summary.rendered += 1,
             Outcome::Skipped { .. } => summary.skipped += 1,
             Outcome::Kept { .. } => summary.kept += 1,
         }
         on_record(&record, &outcome);
     }
+    summary.unchecked = outcomes.off;
     Ok(summary)
 }
 
@@ -320,7 +332,7 @@ pub async fn replay(
 async fn settle(
     js: &jetstream::Context,
     stream: &Stream,
-    results: Option<&Stream>,
+    outcomes: &mut LastOutcomes,
     filter: &Filter,
     record: &FailedRecord,
     dry_run: bool,
@@ -331,12 +343,20 @@ async fn settle(
             why: format!("no job id (undecodable payload); pass --reason {reason} to replay it as it is"),
         };
     }
-    let resend = match check_subject(record).and_then(|target| Resend::of(record, target)) {
-        Ok(resend) => resend,
+    let resend = match check_subject(record) {
+        Ok((target, parsed)) => Resend::of(record, target, &parsed),
         Err(why) => return Outcome::Kept { why },
     };
-    if let Some(why) = rendered_since(results, record).await {
-        return Outcome::Skipped { why };
+    match outcomes.standing(record).await {
+        Standing::Open => {}
+        Standing::Cancelled(why) => return Outcome::Skipped { why },
+        Standing::Rendered(why) if dry_run => return Outcome::Rendered { why: format!("{why}; the record would be deleted") },
+        Standing::Rendered(why) => {
+            return match delete(stream, record.seq).await {
+                Ok(()) => Outcome::Rendered { why: format!("{why}; the record is deleted") },
+                Err(e) => Outcome::Kept { why: format!("{why}, but the record could not be deleted: {e}") },
+            };
+        }
     }
     let msg_id = record.replay_msg_id();
     let Resend { subject: target, restored, .. } = resend.clone();
@@ -359,8 +379,104 @@ async fn settle(
     Outcome::Replayed { subject: target, msg_id, duplicate, restored }
 }
 
-/// The record's original subject, if it is a job subject a worker serves.
-fn check_subject(record: &FailedRecord) -> Result<String, String> {
+/// What a record's job became after the record was written.
+enum Standing {
+    /// Nothing since, or it cannot be told: replay it.
+    Open,
+    /// Rendered: nothing to replay.
+    Rendered(String),
+    /// Cancelled after it failed: not to be rendered unless its owner asks again.
+    Cancelled(String),
+}
+
+/// How long one read of the results stream may take: a role that may not read it is never
+/// answered, and would otherwise wait a whole request timeout for each record.
+const LOOKUP: Duration = Duration::from_secs(1);
+
+/// Reads the last outcome of each record's job. Turned off, with the reason kept for the
+/// summary, the first time the results stream refuses or does not answer (an older setup, a
+/// role that may not read it): the records are then replayed unchecked, and a worker still
+/// settles the replay of a rendered job without rendering it.
+struct LastOutcomes {
+    results: Option<Stream>,
+    off: Option<String>,
+}
+
+impl LastOutcomes {
+    async fn open(js: &jetstream::Context) -> Self {
+        match tokio::time::timeout(LOOKUP, js.get_stream(subject::RESULTS_STREAM)).await {
+            Ok(Ok(results)) => Self { results: Some(results), off: None },
+            Ok(Err(e)) => Self::off(format!("cannot read {}: {e}", subject::RESULTS_STREAM)),
+            Err(_) => Self::off(format!("{} did not answer within {LOOKUP:?}", subject::RESULTS_STREAM)),
+        }
+    }
+
+    fn off(why: String) -> Self {
+        Self { results: None, off: Some(why) }
+    }
+
+    async fn standing(&mut self, record: &FailedRecord) -> Standing {
+        let (Some(results), Some(project), Some(job_id)) = (&self.results, &record.project, &record.job_id) else {
+            return Standing::Open;
+        };
+        let last = match tokio::time::timeout(LOOKUP, outcome::last(results, project, job_id)).await {
+            Ok(Ok(Some(last))) => last,
+            // No outcome, or one that does not decode: that job's record goes as it is.
+            Ok(Ok(None) | Err(OutcomeError::Unreadable(_))) => return Standing::Open,
+            Ok(Err(e @ OutcomeError::Lookup(_))) => {
+                *self = Self::off(e.to_string());
+                return Standing::Open;
+            }
+            Err(_) => {
+                *self = Self::off(format!("a look-up on {} got no answer within {LOOKUP:?}", subject::RESULTS_STREAM));
+                return Standing::Open;
+            }
+        };
+        let ago = format_age(SystemTime::now().duration_since(last.stored).unwrap_or_default());
+        match last.result.status {
+            ResultStatus::Done | ResultStatus::Degraded => {
+                let how = if last.result.status == ResultStatus::Degraded { "degraded" } else { "done" };
+                let by = &last.result.worker;
+                Standing::Rendered(format!("already rendered ({how}, {ago} ago, by {by}): a replay would render nothing"))
+            }
+            // Stored after the record: its owner stopped the job since it failed.
+            ResultStatus::Cancelled if last.stored > record.written => {
+                // A cancellation names who asked in its detail (`cancelled by ...`).
+                let who = last.result.failure.as_ref().map(|f| f.detail.as_str()).filter(|d| !d.is_empty()).unwrap_or("by its owner");
+                Standing::Cancelled(format!(
+                    "cancelled {ago} ago, after it failed ({who}): `shotfleet submit --again` renders it anew; the record is kept"
+                ))
+            }
+            ResultStatus::Cancelled | ResultStatus::Failed => Standing::Open,
+        }
+    }
+}
+
+impl Resend {
+    /// The record as it goes back to `target` (`parsed`): byte for byte, unless it is a job a
+    /// worker degraded, which goes back at its requested size to that size's subject, in its
+    /// own encoding.
+    fn of(record: &FailedRecord, target: String, parsed: &JobSubject) -> Self {
+        let as_is = Self { subject: target, content_type: record.content_type.clone(), payload: record.payload.clone(), restored: None };
+        // A payload that does not decode, or a `degrade` no worker wrote (a producer's, refused as
+        // invalid), goes back as it is: a worker names why, again.
+        let Ok(job) = encoding::decode_job(record.content_type.as_deref(), &record.payload) else { return as_is };
+        let Some(degrade) = job.worker_degrade() else { return as_is };
+        let Original { width, height, steps } = degrade.from;
+        let restored = Restored { level: degrade.level, failed_width: job.width, failed_height: job.height, original: degrade.from };
+        let original = ShotJob { width, height, steps, degrade: None, ..job };
+        let encoding = ContentType::from_header(record.content_type.as_deref()).unwrap_or_default();
+        Self {
+            subject: subject::job(parsed.priority, SubjectClass::Class(original.class()), &parsed.project),
+            content_type: Some(encoding.as_str().to_owned()),
+            payload: encoding::encode(encoding, &original).into(),
+            restored: Some(restored),
+        }
+    }
+}
+
+/// The record's original subject, if it is a job subject a worker serves, and its parts.
+fn check_subject(record: &FailedRecord) -> Result<(String, JobSubject), String> {
     let Some(original) = record.original_subject.as_deref() else {
         return Err(format!("no {} header: nowhere to replay it to; the record is kept", failure::ORIGINAL_SUBJECT));
     };
@@ -372,46 +488,7 @@ fn check_subject(record: &FailedRecord) -> Result<String, String> {
             failure::ORIGINAL_SUBJECT
         ));
     }
-    Ok(original.to_owned())
-}
-
-/// Why a record's job needs no replay: its last outcome is a rendered result. `None` when it
-/// has none, or it cannot be read (the replay then goes ahead; a worker settles it).
-async fn rendered_since(results: Option<&Stream>, record: &FailedRecord) -> Option<String> {
-    let (results, Some(project), Some(job_id)) = (results?, &record.project, &record.job_id) else { return None };
-    let outcome = shotfleet_schema::nats::outcome::last(results, project, job_id).await.ok()??;
-    outcome.result.is_rendered().then(|| {
-        let how = if outcome.result.status == ResultStatus::Degraded { "degraded" } else { "done" };
-        let ago = format_age(SystemTime::now().duration_since(outcome.stored).unwrap_or_default());
-        format!(
-            "already rendered ({how}, {ago} ago, by {}): a replay would render nothing; the record is kept for its reason until it expires",
-            outcome.result.worker
-        )
-    })
-}
-
-impl Resend {
-    /// The record as it goes back to `target`: byte for byte, unless it is a degraded job,
-    /// which goes back at its requested size to that size's subject, in its own encoding.
-    fn of(record: &FailedRecord, target: String) -> Result<Self, String> {
-        let as_is = |subject| Self { subject, content_type: record.content_type.clone(), payload: record.payload.clone(), restored: None };
-        // A payload that does not decode goes back as it is: a worker names why, again.
-        let Ok(job) = encoding::decode_job(record.content_type.as_deref(), &record.payload) else {
-            return Ok(as_is(target));
-        };
-        let Some(degrade) = job.degrade else { return Ok(as_is(target)) };
-        let Original { width, height, steps } = degrade.from;
-        let restored = Restored { level: degrade.level, failed_width: job.width, failed_height: job.height, original: degrade.from };
-        let original = ShotJob { width, height, steps, degrade: None, ..job };
-        let parsed = subject::parse_job(&target).map_err(|e| format!("{e}; the record is kept"))?;
-        let encoding = ContentType::from_header(record.content_type.as_deref()).unwrap_or_default();
-        Ok(Self {
-            subject: subject::job(parsed.priority, SubjectClass::Class(original.class()), &parsed.project),
-            content_type: Some(encoding.as_str().to_owned()),
-            payload: encoding::encode(encoding, &original).into(),
-            restored: Some(restored),
-        })
-    }
+    Ok((original.to_owned(), parsed))
 }
 
 /// Publishes the payload and waits for the PubAck; `Ok(true)` for a duplicate.

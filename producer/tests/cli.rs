@@ -6,11 +6,11 @@ use async_nats::jetstream;
 use async_nats::HeaderMap;
 use futures::StreamExt;
 use shotfleet_schema::encoding;
-use shotfleet_schema::{failure, subject, ShotJob};
+use shotfleet_schema::{failure, subject, ResultStatus, ShotJob};
 use shotfleet_testkit::nats::{NatsServer, ServerBinary, ServerOptions};
 
 mod support;
-use support::{publish_done, shotfleet, text};
+use support::{publish_outcome, shotfleet, text};
 
 fn demo_storyboard() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/demo/storyboard.jsonl")
@@ -246,7 +246,7 @@ async fn answer_jobs(url: String, fail_job: &'static str) {
                 .await
                 .unwrap();
         } else {
-            publish_done(&js, &job.project, &job.job_id, &job.shot_id, "test").await;
+            publish_outcome(&js, &job.project, &job.job_id, &job.shot_id, "test", ResultStatus::Done).await;
         }
         message.ack().await.unwrap();
     }

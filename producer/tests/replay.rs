@@ -7,11 +7,11 @@ use std::time::Duration;
 use async_nats::HeaderMap;
 use async_nats::jetstream;
 use shotfleet_schema::encoding::{self, ContentType};
-use shotfleet_schema::{Degrade, Original, Priority, ShotJob, failure, subject};
+use shotfleet_schema::{Degrade, Original, Priority, ResultStatus, ShotJob, failure, subject};
 use shotfleet_testkit::nats::{NatsServer, ServerBinary, ServerOptions};
 
 mod support;
-use support::{publish_done, shotfleet, text};
+use support::{publish_outcome, shotfleet, text};
 
 
 /// The table rows (stdout lines) whose action column is `action`.
@@ -258,7 +258,8 @@ async fn a_job_that_failed_degraded_goes_back_at_its_requested_size() {
     let said = format!("seq {seq} (job acme/ep2-s4): sent at its requested 1216x832, 30 steps (it failed 2 rung(s) down its ladder, at 640x448), to {requested_subject}");
 
     let out = shotfleet(&server.url(), &["replay", "--dry-run"]).await;
-    assert!(out.status.success() && text(&out).contains(&said), "the dry run says so: {}", text(&out));
+    let would = said.replace("sent at", "would be sent at");
+    assert!(out.status.success() && text(&out).contains(&would), "the dry run says so: {}", text(&out));
 
     let out = shotfleet(&server.url(), &["replay"]).await;
     assert!(out.status.success() && text(&out).contains(&said), "{}", text(&out));
@@ -274,22 +275,64 @@ async fn a_job_that_failed_degraded_goes_back_at_its_requested_size() {
 }
 
 #[tokio::test]
-async fn a_job_rendered_since_it_failed_is_skipped() {
+async fn a_job_rendered_since_it_failed_is_not_replayed_and_its_record_goes() {
     let (server, js) = topology(ServerBinary::Current).await;
     publish_failed(&js, Record::job("ep1-s1", "acme", "driver")).await;
     publish_failed(&js, Record::job("ep1-s2", "acme", "driver")).await;
     // ep1-s1 was rendered since (re-submitted with --again, or replayed by another operator).
-    publish_done(&js, "acme", "ep1-s1", "s1", "gpu-7").await;
+    publish_outcome(&js, "acme", "ep1-s1", "s1", "gpu-7", ResultStatus::Done).await;
+
+    let out = shotfleet(&server.url(), &["replay", "--dry-run"]).await;
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(text(&out).contains("would replay 1, would skip 0, cannot replay 0, already rendered 1; nothing changed"), "{}", text(&out));
+    assert!(text(&out).contains("the record would be deleted"), "{}", text(&out));
+    assert_eq!(count(&js, subject::FAILED_STREAM).await, 2);
+
+    let out = shotfleet(&server.url(), &["replay"]).await;
+    assert!(out.status.success(), "nothing went wrong: {}", text(&out));
+    assert_eq!(rows(&out, "rendered").len(), 1, "{}", text(&out));
+    assert!(rows(&out, "rendered")[0].contains("acme/ep1-s1"), "{}", text(&out));
+    let said = text(&out);
+    assert!(said.contains("already rendered (done, ") && said.contains("s ago, by gpu-7): a replay would render nothing; the record is deleted"), "{said}");
+    assert!(said.contains("replayed 1, duplicates 0, skipped 0, could not replay 0, already rendered 1 (records deleted)"), "{said}");
+    assert_eq!(count(&js, subject::JOBS_STREAM).await, 1, "only the job still to render");
+    assert_eq!(count(&js, subject::FAILED_STREAM).await, 0, "the rendered job's record is deleted, as a worker deletes it");
+}
+
+#[tokio::test]
+async fn a_job_cancelled_after_it_failed_is_skipped_and_one_failed_again_is_replayed() {
+    let (server, js) = topology(ServerBinary::Current).await;
+    publish_failed(&js, Record::job("ep1-s1", "acme", "driver")).await;
+    publish_failed(&js, Record::job("ep1-s2", "acme", "driver")).await;
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    // ep1-s1 was sent again (`submit --again`) and then cancelled by its owner; ep1-s2's last
+    // outcome is its own failure.
+    publish_outcome(&js, "acme", "ep1-s1", "s1", "", ResultStatus::Cancelled).await;
+    publish_outcome(&js, "acme", "ep1-s2", "s1", "gpu-7", ResultStatus::Failed).await;
 
     let out = shotfleet(&server.url(), &["replay"]).await;
     assert!(out.status.success(), "a skip is not a problem: {}", text(&out));
     assert_eq!(rows(&out, "skipped").len(), 1, "{}", text(&out));
-    assert!(rows(&out, "skipped")[0].contains("acme/ep1-s1"), "{}", text(&out));
+    assert_eq!(rows(&out, "replayed").len(), 1, "{}", text(&out));
+    assert!(rows(&out, "replayed")[0].contains("acme/ep1-s2"), "{}", text(&out));
     let said = text(&out);
-    assert!(said.contains("already rendered (done, ") && said.contains("s ago, by gpu-7): a replay would render nothing"), "{said}");
-    assert!(text(&out).contains("replayed 1, duplicates 0, skipped 1"), "{}", text(&out));
-    assert_eq!(count(&js, subject::JOBS_STREAM).await, 1, "only the job still to render");
-    assert_eq!(count(&js, subject::FAILED_STREAM).await, 1, "the rendered job's record is kept");
+    assert!(said.contains("(job acme/ep1-s1): cancelled ") && said.contains("after it failed (by its owner): `shotfleet submit --again` renders it anew"), "{said}");
+    assert_eq!(count(&js, subject::FAILED_STREAM).await, 1, "the cancelled job's record is kept");
+}
+
+#[tokio::test]
+async fn a_degrade_no_worker_wrote_is_not_restored() {
+    let (server, js) = topology(ServerBinary::Current).await;
+    // A producer's own `degrade` (refused as invalid): its `from` is smaller than the job.
+    let mut job = encoding::decode_job(None, &job_payload("ep2-s5", "acme", ContentType::Json)).unwrap();
+    job = ShotJob { width: 1024, height: 1024, degrade: Some(Degrade { level: 1, from: Original { width: 512, height: 512, steps: 20 } }), ..job };
+    let payload = encoding::encode(ContentType::Json, &job);
+    publish_failed(&js, Record { original_subject: Some("shots.p1.m.acme"), payload: payload.clone(), ..Record::job("ep2-s5", "acme", "invalid") }).await;
+    let out = shotfleet(&server.url(), &["replay"]).await;
+    assert!(out.status.success() && !text(&out).contains("sent at"), "{}", text(&out));
+    let jobs = js.get_stream(subject::JOBS_STREAM).await.unwrap();
+    let message = jobs.get_last_raw_message_by_subject("shots.p1.m.acme").await.unwrap();
+    assert_eq!(&message.payload[..], &payload[..], "as it was: the worker names why, again");
 }
 
 #[tokio::test]

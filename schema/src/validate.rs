@@ -154,6 +154,15 @@ impl ShotJob {
         f64::from(self.width) * f64::from(self.height) * f64::from(self.images) * f64::from(self.steps) / 1e6
     }
 
+    /// The job's `degrade` where a worker could have written it (a rung lowers the size and keeps
+    /// the steps; see `validate`), else `None`: what a replay may restore the original from.
+    pub fn worker_degrade(&self) -> Option<crate::Degrade> {
+        let degrade = self.degrade?;
+        let mut check = Checker::default();
+        check.degrade(degrade, self);
+        check.finish().is_ok().then_some(degrade)
+    }
+
     /// Checks the job against `limits`.
     ///
     /// # Errors

@@ -25,8 +25,7 @@ fn capped(id: &str, store: &std::path::Path, classes: &'static str, mib: u64) ->
 /// One worker alone, capped below a 1024² render, with a long handoff: each out-of-memory raises
 /// its estimate until the class no longer fits its room, and it stops fetching the class with
 /// the job still queued there. Its watch of the classes nobody admits, its own included, sends
-/// the job down (before, it watched only classes above those it serves, and the job waited
-/// forever: an outside tester's run); then the ladder renders it.
+/// the job down; then the ladder renders it.
 #[tokio::test]
 async fn a_lone_worker_that_stops_admitting_a_class_degrades_its_jobs() {
     let server = NatsServer::start();

@@ -27,15 +27,15 @@ pub fn text(output: &Output) -> String {
     format!("{}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr))
 }
 
-/// Publishes a `done` result for `project`/`job_id` (shot `shot_id`, no images) as a worker
-/// that rendered it would.
-pub async fn publish_done(js: &jetstream::Context, project: &str, job_id: &str, shot_id: &str, worker: &str) {
+/// Publishes an outcome of `status` for `project`/`job_id` (shot `shot_id`, no images) as
+/// `worker` would.
+pub async fn publish_outcome(js: &jetstream::Context, project: &str, job_id: &str, shot_id: &str, worker: &str, status: ResultStatus) {
     let result = ShotResult {
         v: 1,
         job_id: job_id.into(),
         project: project.into(),
         shot_id: shot_id.into(),
-        status: ResultStatus::Done,
+        status,
         images: vec![],
         degrade: None,
         worker: worker.into(),
