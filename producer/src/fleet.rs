@@ -36,6 +36,12 @@ impl Fleet {
     /// Records a worker's answer to a ping.
     pub fn answered(&mut self, state: WorkerState, at: Instant) {
         let worker = self.workers.entry(state.worker.clone()).or_default();
+        // A worker that holds nothing says so: what its progress events left before the answer
+        // (a process killed mid-render and restarted under the same name, a job that left
+        // without a last event) is gone; an event sent after the answer stands.
+        if state.in_flight == 0 {
+            worker.holds.retain(|_, event| event.at_ms > state.at_ms);
+        }
         worker.gpu = Some(state.gpu);
         worker.state = Some(state);
         worker.seen = Some(at);
@@ -192,5 +198,15 @@ mod tests {
         fleet.progressed(event(ProgressEvent::Settled), now);
         assert!(fleet.workers["w"].holds.is_empty());
         assert_eq!(fleet.live(now).count(), 1);
+
+        // A worker that answers it holds nothing drops what its events left before the answer
+        // (killed mid-render and restarted), not an event sent after it.
+        let at = |kind, at_ms| ShotProgress { at_ms, ..event(kind) };
+        fleet.progressed(at(ProgressEvent::Step, 10), now);
+        fleet.answered(WorkerState { at_ms: 20, ..worker("w", &[], &[]) }, now);
+        assert!(fleet.workers["w"].holds.is_empty(), "idle since the step");
+        fleet.progressed(at(ProgressEvent::Taken, 30), now);
+        fleet.answered(WorkerState { at_ms: 25, ..worker("w", &[], &[]) }, now);
+        assert_eq!(fleet.workers["w"].holds.len(), 1, "taken after it answered");
     }
 }

@@ -187,6 +187,8 @@ async fn a_class_no_live_worker_holds_goes_one_rung_down_after_the_handoff() {
     spec.classes = "[\"xs\"]";
     spec.extra = "[degrade]\nhandoff = \"2s\"\n".into();
     let worker = Worker::start(&server.url(), spec);
+    let client = async_nats::connect(server.url()).await.unwrap();
+    let mut progress = client.subscribe(shotfleet_schema::progress::subject("acme", "too-big-1")).await.unwrap();
     let mut big = job("too-big-1", "acme", (768, 768), 2, 1);
     big.floor = Some(shotfleet_schema::Floor { min_side: 256, min_steps: 0 });
     let big = shot(Priority::P1, big);
@@ -199,4 +201,16 @@ async fn a_class_no_live_worker_holds_goes_one_rung_down_after_the_handoff() {
     assert!(worker.log().contains("no live worker holds this class"), "{}", worker.log());
     // Nothing is left in the queue: the job did not wait forever.
     wait_settled(&js, Duration::from_secs(20)).await;
+    // Its followers heard it leave the worker that sent it down (else `status --watch` shows it
+    // held there for good), then the copy's render end.
+    let mut events = Vec::new();
+    while let Ok(Some(message)) = tokio::time::timeout(Duration::from_millis(500), futures::StreamExt::next(&mut progress)).await {
+        let event: shotfleet_schema::ShotProgress = serde_json::from_slice(&message.payload).unwrap();
+        if event.event != shotfleet_schema::progress::ProgressEvent::Step {
+            events.push((event.event, event.detail.unwrap_or_default()));
+        }
+    }
+    use shotfleet_schema::progress::ProgressEvent::{Queued, Settled, Taken};
+    assert_eq!(events.iter().map(|(e, _)| *e).collect::<Vec<_>>(), [Taken, Queued, Taken, Settled], "{events:?}");
+    assert!(events[1].1.contains("one rung down"), "{events:?}");
 }

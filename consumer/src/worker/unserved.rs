@@ -22,7 +22,7 @@ use crate::failure::{ErrorKind, JobError};
 use crate::worker::Shared;
 use crate::worker::delivery::{Delivery, Kept, Origin};
 use crate::worker::job::{self, Next};
-use crate::worker::settle::{Handled, settle};
+use crate::worker::settle::Handled;
 
 /// How long the fleet's answers to a ping are collected.
 const PING_WAIT: Duration = Duration::from_secs(1);
@@ -130,5 +130,7 @@ async fn degrade_unheld(shared: &Arc<Shared>, delivery: Delivery, class: MemoryC
             Handled::Stopped(JobError::new(ErrorKind::Oom, detail))
         }
     };
-    settle(shared, &taken.held(), handled).await;
+    // As a render's end does: a follower hears the job left this worker (queued one rung down,
+    // or failed), or it would show the job held here for good.
+    job::finish(shared, &taken, handled).await;
 }
