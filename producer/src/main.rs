@@ -893,6 +893,10 @@ async fn replay_failed(options: &NatsOptions, args: ReplayArgs) -> Result<u8, Fa
     if let Some(why) = &summary.unchecked {
         eprintln!("the jobs' last outcomes were not checked ({why}): records of jobs rendered or cancelled since were replayed too; a worker settles a rendered job's replay without rendering it");
     }
+    if summary.matched == 0 {
+        // A typo in --job or --project reads the same as an empty failed stream: say which.
+        eprintln!("no failed record matches; `shotfleet replay --dry-run` with no filter lists every one");
+    }
     if args.dry_run {
         println!(
             "dry run: {} matching, would replay {}, would skip {}, cannot replay {}, already rendered {}; nothing changed",
@@ -905,7 +909,7 @@ async fn replay_failed(options: &NatsOptions, args: ReplayArgs) -> Result<u8, Fa
         );
         if summary.duplicates > 0 {
             println!(
-                "{} duplicate(s): already queued by an earlier, interrupted replay; not queued again, failed copy deleted",
+                "{} duplicate(s): already queued by an earlier replay (interrupted, or running beside this one); not queued again, failed copy deleted",
                 summary.duplicates
             );
         }

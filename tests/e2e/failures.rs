@@ -169,7 +169,7 @@ async fn a_job_too_big_for_a_small_card_is_rendered_at_full_size_by_a_roomier_on
     assert_eq!(result.worker, "roomy-card", "{}", small.log());
     assert_eq!(result.status, ResultStatus::Done, "rendered at full size, not degraded");
     assert_eq!((result.images[0].width, result.images[0].height), (768, 768));
-    assert!(small.log().contains("offered to the fleet at full size"), "{}", small.log());
+    assert!(small.log().contains("offered to the fleet at 768x768"), "{}", small.log());
     assert!(!small.metrics().contains("outcome=\"degrade_republished\""), "{}", small.metrics());
 }
 

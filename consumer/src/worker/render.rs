@@ -77,7 +77,9 @@ pub(crate) async fn render_job(shared: &Arc<Shared>, taken: &Taken) -> Result<Re
         warn!(job = %job.job_id, batch = attempt.batch, vae = ?attempt.vae, planned_now = planned, detail = %error, "out of memory");
         let first = attempt.batch == batch && attempt.vae == VaeDecode::Whole;
         if first && out_of_memory(shared, delivery, job).await.ooms == 1 {
-            return Err(JobError::give_back(OOM_DELAY, format!("out of memory on {}; offered to the fleet at full size", shared.config.worker_id)));
+            // The size it is offered at, which is not the one asked for once it was degraded.
+            let offered = format!("out of memory on {}; offered to the fleet at {}x{}", shared.config.worker_id, job.width, job.height);
+            return Err(JobError::give_back(OOM_DELAY, offered));
         }
         let Some(next) = next_in_place(job, attempt, stage) else {
             let tiled = if attempt.vae == VaeDecode::Whole { "" } else { " with a tiled VAE" };
@@ -153,7 +155,8 @@ async fn hand_off_or_degrade(shared: &Shared, delivery: &Delivery, job: &ShotJob
     let handoff = shared.config.degrade.handoff;
     if since_first < handoff && spares_deliveries(delivery.attempt, shared.max_deliver) {
         let left = handoff - since_first;
-        return JobError::give_back(OOM_DELAY, format!("{detail}; offered to the fleet at full size for {:.0}s more before it is degraded", left.as_secs_f64()));
+        let (width, height, left) = (job.width, job.height, left.as_secs_f64());
+        return JobError::give_back(OOM_DELAY, format!("{detail}; offered to the fleet at {width}x{height} for {left:.0}s more before it goes one rung down"));
     }
     JobError::new(ErrorKind::Oom, detail)
 }
