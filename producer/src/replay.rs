@@ -209,7 +209,7 @@ impl std::fmt::Display for Restored {
 }
 
 /// What a replay publishes for one record: where, what, and whether it was restored.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 struct Resend {
     subject: String,
     content_type: Option<String>,
@@ -343,8 +343,8 @@ async fn settle(
             why: format!("no job id (undecodable payload); pass --reason {reason} to replay it as it is"),
         };
     }
-    let resend = match check_subject(record) {
-        Ok((target, parsed)) => Resend::of(record, target, &parsed),
+    let (target, parsed) = match check_subject(record) {
+        Ok(checked) => checked,
         Err(why) => return Outcome::Kept { why },
     };
     match outcomes.standing(record).await {
@@ -358,8 +358,10 @@ async fn settle(
             };
         }
     }
+    // Only a record that goes back is decoded and, when degraded, re-encoded.
+    let resend = Resend::of(record, target, &parsed);
+    let (target, restored) = (resend.subject.clone(), resend.restored);
     let msg_id = record.replay_msg_id();
-    let Resend { subject: target, restored, .. } = resend.clone();
     if dry_run {
         return Outcome::WouldReplay { subject: target, msg_id, restored };
     }
