@@ -152,7 +152,10 @@ def main() -> None:
             env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "PYTHONUNBUFFERED": "1"}
             print(f"[{time.strftime('%H:%M:%S')}] {mode}: {share:.0f} s", flush=True)
             try:
-                rc = subprocess.run(cmd, env=env, timeout=share + 30).returncode
+                # The child is stopped 10 s after its share (a compilation started before its deadline
+                # runs past it), so this process still reads and writes what it rendered before the
+                # stage's own timeout (the budget + 30 s) ends it.
+                rc = subprocess.run(cmd, env=env, timeout=share + 10).returncode
             except subprocess.TimeoutExpired:
                 rc = "killed at the deadline"
             try:

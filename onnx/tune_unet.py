@@ -3,6 +3,8 @@
     python onnx/tune_unet.py rewrite SRC.onnx DST.onnx [--passes shapes,sink,cancel,dedupe]
     python onnx/tune_unet.py time --model /root/sdxl/unet/model.onnx --out /root/results/tune.json \\
         [--variants shapes,all] [--batch 2] [--size 1024] [--cuda-option KEY=VALUE ...]
+    python onnx/tune_unet.py streams --model /root/sdxl/unet/model.onnx --out /root/results/streams.json \\
+        [--batch 2] [--size 1024] [--calls 40] [--cuda-option KEY=VALUE ...]
     python onnx/tune_unet.py selftest
 
 rewrite: the graph only; DST beside SRC keeps pointing at SRC's external weights file (the fused
@@ -17,6 +19,16 @@ a rounding's worth where a kernel sums in another order). Variants: a pass name,
 pass), or `none` (the graph saved again untouched: its ratio is the two identical sessions'
 spread). A variant is worth keeping where it is faster by more than that spread and the outputs
 agree.
+
+streams: whether two UNet calls in flight at once keep the card busier than one (issue 17, point
+2). The worker's two render slots hold one UNet session's lock for a whole schedule, so their UNet
+calls run one after the other and the card idles in each call's gaps between kernels (3.2 of 34.3
+ms in the profile). Three ways, each --calls calls of the same inputs, with NVML's busy share
+(deploy/gpu/gpu_sampler.py) over each: one thread on one session (the worker today); two threads
+on one session (ONNX Runtime's C API allows concurrent runs; the Rust binding takes `&mut` for
+the allocators it does not trust, hence the worker's lock); two threads on two sessions (the
+weights twice on the card). Reported: calls/s, the ratio to one thread, the busy share, and
+whether the outputs of every way agree with the first's.
 
 selftest: a graph of standard ops with the fused UNet's layout borders (Transposes around Add,
 Concat, Resize and Shape) is rewritten and run on the CPU before and after: the outputs must be
@@ -118,6 +130,69 @@ def time_variants(args) -> dict:
             del sess, keep
             path.unlink(missing_ok=True)
         except Exception as e:  # noqa: BLE001 - one variant's failure is its row, the next one runs
+            row["error"] = f"{type(e).__name__}: {e}"[:800]
+        print(json.dumps(row), flush=True)
+        Path(args.out).write_text(json.dumps(doc, indent=1))
+    return doc
+
+
+def time_streams(args) -> dict:
+    import threading
+
+    from profile_unet import bind, session
+
+    sys.path.insert(0, str(HERE.parent / "deploy" / "gpu"))
+    from gpu_sampler import GpuSampler
+
+    cuda_options = dict(kv.split("=", 1) for kv in args.cuda_option)
+    doc = {"model": args.model, "batch": args.batch, "size": args.size, "calls": args.calls, "cuda_options": cuda_options, "ways": []}
+    first = session(args.model, args.device, cuda_options, None)
+    second = None
+    reference = None
+    ways = [("one thread, one session", 1, False), ("two threads, one session", 2, False), ("two threads, two sessions", 2, True)]
+    for name, threads, own_sessions in ways:
+        row: dict = {"way": name, "threads": threads, "status": "error"}
+        doc["ways"].append(row)
+        try:
+            if own_sessions and second is None:
+                second = session(args.model, args.device, cuda_options, None)
+            sessions = [first, second if own_sessions else first][:threads]
+            # Each thread its own binding and buffers: two runs never write one output.
+            bound = [bind(s, args.batch, args.size, args.device) for s in sessions]
+            for call, _ in bound:
+                for _ in range(args.warmup):
+                    call()
+            outs = [[o.numpy() for o in keep if o.is_tensor()][-1].astype(np.float32) for _, keep in bound]
+            reference = outs[0] if reference is None else reference
+            row["max_abs_diff"] = float(max(np.abs(o - reference).max() for o in outs))
+            share = [args.calls // threads + (i < args.calls % threads) for i in range(threads)]
+            errors: list[str] = []
+
+            def work(call, n: int) -> None:
+                try:
+                    for _ in range(n):
+                        call()
+                except Exception as e:  # noqa: BLE001 - reported in the row
+                    errors.append(f"{type(e).__name__}: {e}"[:400])
+
+            sampler = GpuSampler(interval=0.05) if args.device == "cuda" else None
+            if sampler:
+                sampler.start()
+            t = time.perf_counter()
+            workers = [threading.Thread(target=work, args=(call, n)) for (call, _), n in zip(bound, share)]
+            for w in workers:
+                w.start()
+            for w in workers:
+                w.join()
+            seconds = time.perf_counter() - t
+            gpu = sampler.stop() if sampler else {}
+            if errors:
+                raise RuntimeError("; ".join(errors))
+            row.update(seconds=round(seconds, 3), calls_per_s=round(args.calls / seconds, 3),
+                       busy_fraction=gpu.get("busy_fraction"), status="ok")
+            row["x_one_thread"] = round(row["calls_per_s"] / doc["ways"][0]["calls_per_s"], 4) if doc["ways"][0].get("calls_per_s") else None
+            del bound
+        except Exception as e:  # noqa: BLE001 - one way's failure is its row, the next one runs
             row["error"] = f"{type(e).__name__}: {e}"[:800]
         print(json.dumps(row), flush=True)
         Path(args.out).write_text(json.dumps(doc, indent=1))
@@ -303,6 +378,15 @@ def main() -> None:
     tm.add_argument("--iters", type=int, default=5)
     tm.add_argument("--rounds", type=int, default=10)
     tm.add_argument("--cuda-option", action="append", default=[], metavar="KEY=VALUE")
+    st = sub.add_parser("streams")
+    st.add_argument("--model", required=True)
+    st.add_argument("--out", required=True)
+    st.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    st.add_argument("--batch", type=int, default=2)
+    st.add_argument("--size", type=int, default=1024)
+    st.add_argument("--warmup", type=int, default=3)
+    st.add_argument("--calls", type=int, default=40)
+    st.add_argument("--cuda-option", action="append", default=[], metavar="KEY=VALUE")
     sub.add_parser("selftest")
     args = ap.parse_args()
     if args.command == "rewrite":
@@ -318,6 +402,8 @@ def main() -> None:
         print(json.dumps(report))
     elif args.command == "time":
         time_variants(args)
+    elif args.command == "streams":
+        time_streams(args)
     else:
         selftest()
 

@@ -1,7 +1,8 @@
 //! The UNet graph rewritten by `onnx/graph_passes.py` (`tune_unet.py rewrite`: the Transposes at
 //! the fused UNet's layout borders moved, cancelled and deduplicated, Shape ops read before the
 //! Transposes): the rewrites are exact on a graph of such borders, and the pipeline renders the
-//! same image through a rewritten tiny UNet as through the original.
+//! same image through a rewritten tiny UNet as through the original. Also `tune_unet.py streams`'s
+//! CPU path: two UNet calls in flight, on one session and on two, give what one call gives.
 
 mod pipeline_support;
 
@@ -11,6 +12,27 @@ use shotfleet_testkit::paths::copy_dir;
 #[test]
 fn the_graph_passes_keep_every_output_of_a_graph_of_layout_borders() {
     onnx_script("tune_unet.py", &["selftest".as_ref()]);
+}
+
+#[test]
+fn unet_calls_in_flight_at_once_give_the_outputs_of_one_at_a_time() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("streams.json");
+    let unet = model_dir().join("unet/model.onnx");
+    let args = ["streams", "--device", "cpu", "--size", "128", "--calls", "6", "--warmup", "1"];
+    let mut args: Vec<&std::ffi::OsStr> = args.iter().map(|a| a.as_ref()).collect();
+    args.extend(["--model".as_ref(), unet.as_os_str(), "--out".as_ref(), out.as_os_str()]);
+    onnx_script("tune_unet.py", &args);
+    let doc: serde_json::Value = serde_json::from_slice(&std::fs::read(&out).unwrap()).unwrap();
+    let ways = doc["ways"].as_array().unwrap();
+    let names: Vec<&str> = ways.iter().map(|w| w["way"].as_str().unwrap()).collect();
+    assert_eq!(names, ["one thread, one session", "two threads, one session", "two threads, two sessions"]);
+    for way in ways {
+        assert_eq!(way["status"], "ok", "{way}");
+        assert!(way["calls_per_s"].as_f64().unwrap() > 0.0, "{way}");
+        // The same inputs through the same graph on the CPU: the same bits, however many run at once.
+        assert!(way["max_abs_diff"].as_f64().unwrap() < 1e-6, "{way}");
+    }
 }
 
 #[test]

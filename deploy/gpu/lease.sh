@@ -34,6 +34,9 @@
 #   tune            optimize-wait, then onnx/tune_unet.py time: graph rewrites (TUNE_VARIANTS) against the
 #                   fused UNet, alternating, outputs compared -> tune.json (default none,unpack_qkv:
 #                   `none` is the graph untouched, the spread between identical sessions)
+#   streams         optimize-wait, then onnx/tune_unet.py streams: the fused UNet's calls/s and NVML busy
+#                   with one call in flight, two on one session, two on two sessions -> streams.json
+#                   (issue 17, point 2: the worker's slots run their UNet calls one after the other)
 #   fleet-speed     optimize-wait, then `deploy/gpu/fleet.sh speed` (binaries from .gpu/bin) -> fleet-speed.json
 #   fleet-budget    optimize-wait, then `deploy/gpu/fleet.sh budget` -> budget.json, budget-check.jsonl, budget-check-ws.jsonl
 #   fleet-small     optimize-wait, then `deploy/gpu/fleet.sh small` (issue 19: shares of the card, two
@@ -425,6 +428,19 @@ stage_tune() {
     return "$rc"
 }
 
+stage_streams() {
+    stage_optimize_wait || return
+    ort_env
+    local budget
+    budget=$(min "${STREAMS_BUDGET_S:-150}" "$(($(left) - 40))")
+    log "tune_unet.py streams, limit $budget s"
+    timeout -k 10 "$budget" python3 onnx/tune_unet.py streams --model "$SDXL/unet/model.onnx" \
+        --cuda-option cudnn_conv_algo_search=HEURISTIC --out "$RESULTS/streams.json" 2>&1 | tee "$RESULTS/streams.log"
+    local rc=${PIPESTATUS[0]}
+    to_out "$RESULTS/streams.json"
+    return "$rc"
+}
+
 # fleet_env REPO OUT DEADLINE_S: what fleet.sh gets (deploy/gpu/README.md, "fleet.sh") from the
 # checkout REPO (its deploy/gpu and .gpu/bin) into FLEET_ENV, NAME=VALUE words; python3 keeps torch
 # (the hog) and pynvml with PYTHONPATH=/root/site in front.
@@ -549,6 +565,7 @@ run_stage() {
         quantize) stage_quantize || rc=$? ;;
         profile) stage_profile || rc=$? ;;
         tune) stage_tune || rc=$? ;;
+        streams) stage_streams || rc=$? ;;
         diffusers) stage_diffusers diffusers "${DIFFUSERS_BUDGET_S:-480}" || rc=$? ;;
         diffusers-compiled) stage_diffusers diffusers "${DIFFUSERS_BUDGET_S:-480}" --compiled-only || rc=$? ;;
         diffusers-eager) stage_diffusers diffusers-eager "${DIFFUSERS_EAGER_BUDGET_S:-150}" --eager-only || rc=$? ;;
