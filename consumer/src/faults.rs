@@ -50,6 +50,10 @@ pub struct FaultConfig {
     /// budget knowing: a job the budget admits then runs out of device memory for real, which
     /// is how the out-of-memory path is rehearsed on a card too large to fill.
     pub arena_limit_mib: Option<u64>,
+    /// Wait this long before loading the models: a start as long as a card's (models read from
+    /// a slow disk, a cold calibration) with the tiny model, for the restart tests.
+    #[serde(default, with = "humantime_serde")]
+    pub slow_start: Option<Duration>,
 }
 
 impl FaultConfig {
@@ -62,6 +66,7 @@ impl FaultConfig {
             || self.leak_mib_per_job > 0
             || self.arena_limit_mib.is_some()
             || self.noop_render
+            || self.slow_start.is_some()
     }
 
     /// The injected driver error for render number `n` (1-based), if any.

@@ -74,13 +74,30 @@ impl Fleet {
     /// can admit (its largest one-image job is over every live worker's budget). Only workers
     /// that answered a ping say what they serve: without any, every waiting class is named.
     pub fn warnings(&self, status: &Status, now: Instant) -> Vec<String> {
-        let states: Vec<&WorkerState> = self.live(now).filter_map(|(_, w)| w.state.as_ref()).filter(|s| s.taking_jobs).collect();
+        let answered = || self.live(now).filter_map(|(_, w)| w.state.as_ref());
+        let states: Vec<&WorkerState> = answered().filter(|s| s.taking_jobs).collect();
+        let starting: Vec<&WorkerState> = answered().filter(|s| s.starting).collect();
         let serves: BTreeSet<MemoryClass> = states.iter().flat_map(|s| s.serves.iter().copied()).collect();
         let admits: BTreeSet<MemoryClass> = states.iter().flat_map(|s| s.admits.iter().copied()).collect();
         let mut lines = Vec::new();
         for queue in status.queues.iter().filter(|q| q.pending + q.in_progress > 0) {
             let waiting = queue.pending + queue.in_progress;
+            // A restarting worker holds the classes it admitted when it last served: the fleet
+            // leaves their jobs to it for its restart grace.
+            let restarting = match queue.class {
+                SubjectClass::Class(class) if !admits.contains(&class) => {
+                    starting.iter().find(|s| s.admits.contains(&class)).map(|s| (s.worker.as_str(), class))
+                }
+                _ => None,
+            };
             let why = match queue.class {
+                _ if restarting.is_some() => restarting.map(|(worker, class)| {
+                    format!("worker {worker} is starting; it admitted class {class} when it last served, and the fleet leaves these jobs to it meanwhile")
+                }),
+                _ if states.is_empty() && !starting.is_empty() => Some(format!(
+                    "no live worker takes jobs yet ({} starting)",
+                    starting.iter().map(|s| s.worker.as_str()).collect::<Vec<_>>().join(", ")
+                )),
                 _ if states.is_empty() => Some("no live worker answers (is the fleet running?)".to_owned()),
                 SubjectClass::Auto => None,
                 SubjectClass::Class(class) if !serves.contains(&class) => {
@@ -136,6 +153,7 @@ mod tests {
             gpu: GpuMemory::default(),
             in_flight: 0,
             taking_jobs: true,
+            starting: false,
             at_ms: 0,
         }
     }
@@ -168,6 +186,29 @@ mod tests {
         // A worker not heard of for a minute no longer counts.
         let later = now + LIVE_FOR + Duration::from_secs(1);
         assert_eq!(fleet.warnings(&status, later).len(), 4);
+    }
+
+    #[test]
+    fn a_restarting_worker_is_named_for_the_classes_it_holds() {
+        use MemoryClass::{M, S};
+        let status = Status { queues: vec![queue(SubjectClass::Class(S), 1), queue(SubjectClass::Class(M), 2)], ..Status::default() };
+        let now = Instant::now();
+        let mut fleet = Fleet::default();
+        let starting = |name: &str, admits: &[MemoryClass]| WorkerState { taking_jobs: false, starting: true, ..worker(name, &[S, M], admits) };
+        fleet.answered(starting("big", &[S, M]), now);
+        let alone = fleet.warnings(&status, now);
+        assert_eq!(alone.len(), 2, "{alone:?}");
+        assert!(alone.iter().all(|w| w.contains("worker big is starting")), "{alone:?}");
+
+        fleet.answered(worker("small", &[S, M], &[S]), now);
+        let warnings = fleet.warnings(&status, now);
+        assert_eq!(warnings.len(), 1, "class s is admitted by a worker taking jobs: {warnings:?}");
+        assert!(warnings[0].contains("render-p1-m") && warnings[0].contains("worker big is starting"), "{warnings:?}");
+
+        // Past its grace a starting worker holds nothing: the class is named as nobody's.
+        fleet.answered(starting("big", &[]), now);
+        let warnings = fleet.warnings(&status, now);
+        assert!(warnings[0].contains("no live worker can admit class m"), "{warnings:?}");
     }
 
     #[test]

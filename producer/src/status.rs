@@ -139,6 +139,8 @@ pub fn render(status: &Status, fleet: &crate::fleet::Fleet, now: std::time::Inst
                 .join("; ")
         } else if held > 0 {
             format!("{held} job(s), no progress heard yet")
+        } else if worker.state.as_ref().is_some_and(|s| s.starting) {
+            "starting: loading models and calibrating".to_owned()
         } else {
             "idle".to_owned()
         };

@@ -103,7 +103,9 @@ pub struct WorkerState {
     #[schemars(with = "Vec<String>")]
     pub serves: Vec<MemoryClass>,
     /// The classes of `serves` whose largest one-image job fits its budget when idle: jobs of a
-    /// class no live worker admits wait forever.
+    /// class no live worker admits wait forever. While `starting`: the classes it admitted when
+    /// it last served, for at most its `[degrade] restart_grace` from its start (none where its
+    /// last start never became ready).
     #[schemars(with = "Vec<String>")]
     pub admits: Vec<MemoryClass>,
     pub gpu: GpuMemory,
@@ -112,6 +114,11 @@ pub struct WorkerState {
     pub in_flight: u32,
     /// Whether it is taking jobs (false while it starts, drains or stopped fetching).
     pub taking_jobs: bool,
+    /// Whether it is loading its models and calibrating. Other workers leave the jobs of the
+    /// classes it `admits` to it meanwhile, rather than sending them down the degrade ladder as
+    /// held by nobody: a restart on a card can outlast `[degrade] handoff`. Absent: false.
+    #[serde(default)]
+    pub starting: bool,
     /// When it answered, milliseconds since the Unix epoch.
     pub at_ms: u64,
 }

@@ -181,10 +181,24 @@ impl Worker {
     /// Starts a worker against `nats_url` without waiting for it to be ready.
     pub fn spawn(nats_url: &str, spec: WorkerSpec) -> Self {
         let dir = tempfile::tempdir().expect("worker dir");
+        let (metrics_port, process) = Self::launch(dir.path(), nats_url, &spec);
+        Self { spec, metrics_port, process, dir }
+    }
+
+    /// Starts this worker again, with `spec`, in its own folder (its state folder as the last
+    /// process left it; its log goes on after the last one's) once the last process has ended;
+    /// does not wait for it to be ready.
+    pub fn respawn(&mut self, nats_url: &str, spec: WorkerSpec) {
+        assert!(!self.process.running(), "worker {} still runs", self.spec.id);
+        (self.metrics_port, self.process) = Self::launch(self.dir.path(), nats_url, &spec);
+        self.spec = spec;
+    }
+
+    fn launch(dir: &Path, nats_url: &str, spec: &WorkerSpec) -> (u16, Guarded) {
         let metrics_port = free_port();
-        let config = dir.path().join("worker.toml");
-        std::fs::write(&config, spec.toml(&dir.path().join("state"), metrics_port)).expect("write config");
-        let log = std::fs::File::create(dir.path().join("worker.log")).expect("log");
+        let config = dir.join("worker.toml");
+        std::fs::write(&config, spec.toml(&dir.join("state"), metrics_port)).expect("write config");
+        let log = std::fs::OpenOptions::new().create(true).append(true).open(dir.join("worker.log")).expect("log");
         let mut command = Command::new(binary("shotfleet-consumer"));
         command
             .args(["--config", config.to_str().unwrap(), "--plain-logs"])
@@ -195,11 +209,10 @@ impl Worker {
             .stdin(Stdio::null())
             .stdout(log.try_clone().unwrap())
             .stderr(log);
-        let process = Guarded::spawn(command).expect("spawn shotfleet-consumer");
-        Self { spec, metrics_port, process, dir }
+        (metrics_port, Guarded::spawn(command).expect("spawn shotfleet-consumer"))
     }
 
-    fn wait_ready(&mut self, timeout: Duration) {
+    pub fn wait_ready(&mut self, timeout: Duration) {
         let deadline = Instant::now() + timeout;
         while Instant::now() < deadline {
             if let Some((200, _)) = http_get(self.metrics_port, "/readyz") {

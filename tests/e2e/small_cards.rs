@@ -214,3 +214,34 @@ async fn a_class_no_live_worker_holds_goes_one_rung_down_after_the_handoff() {
     assert_eq!(events.iter().map(|(e, _)| *e).collect::<Vec<_>>(), [Taken, Queued, Taken, Settled], "{events:?}");
     assert!(events[1].1.contains("one rung down"), "{events:?}");
 }
+
+#[tokio::test]
+async fn a_restarting_worker_keeps_its_classes_while_it_starts() {
+    let server = NatsServer::start();
+    let js = jetstream_with(&server.url(), &Topology::default()).await;
+    let store = tempfile::tempdir().unwrap();
+    // A small card serving xs only, which sends a larger class down after 2 s held by nobody, and
+    // a roomy one serving xs and s.
+    let mut small = WorkerSpec::new("xs-only", store.path());
+    small.classes = "[\"xs\"]";
+    small.extra = "[degrade]\nhandoff = \"2s\"\n".into();
+    let small = Worker::start(&server.url(), small);
+    let roomy_spec = WorkerSpec::new("roomy", store.path());
+    let mut roomy = Worker::start(&server.url(), roomy_spec.clone());
+    assert_eq!(roomy.terminate(Duration::from_secs(30)), Some(0), "{}", roomy.log());
+
+    // Restarted, the roomy worker takes 8 s to start: four of the small one's handoffs. A job
+    // of class s queued meanwhile waits for it rather than going one rung down.
+    let mut slow = roomy_spec.clone();
+    slow.extra = "[faults]\nslow_start = \"8s\"\n".into();
+    roomy.respawn(&server.url(), slow);
+    let waiting = shot(Priority::P1, job("while-restarting", "acme", (768, 768), 2, 1));
+    submit(&js, std::slice::from_ref(&waiting)).await;
+    let result = results(&outcomes(&js, &[waiting], Duration::from_secs(90)).await).remove(0);
+    assert_eq!(result.status, shotfleet_schema::ResultStatus::Done, "{}", small.log());
+    assert!(result.degrade.is_none(), "{:?}", result.degrade);
+    assert_eq!((result.images[0].width, result.images[0].height), (768, 768));
+    assert_eq!(result.worker, "roomy");
+    assert!(roomy.log().contains("restarting: the fleet leaves the classes this worker admitted to it"), "{}", roomy.log());
+    assert!(!small.log().contains("no live worker holds this class"), "{}", small.log());
+}

@@ -31,11 +31,16 @@ pub struct DegradeConfig {
     /// give it back (so a roomier card renders it at full size) before one degrades it.
     #[serde(with = "humantime_serde")]
     pub handoff: Duration,
+    /// How long a restarting worker, while it loads and calibrates, keeps the classes it admitted
+    /// when it last served: the fleet leaves their jobs to it meanwhile instead of degrading them
+    /// as held by nobody (worker/restart.rs). 0 turns it off.
+    #[serde(with = "humantime_serde")]
+    pub restart_grace: Duration,
 }
 
 impl Default for DegradeConfig {
     fn default() -> Self {
-        Self { min_side: 512, handoff: Duration::from_secs(30) }
+        Self { min_side: 512, handoff: Duration::from_secs(30), restart_grace: Duration::from_secs(300) }
     }
 }
 

@@ -43,6 +43,7 @@ pub mod priority;
 pub mod progress;
 pub mod render;
 pub mod reserve;
+pub mod restart;
 pub mod route;
 pub mod run_thread;
 pub mod settle;
@@ -306,6 +307,12 @@ pub async fn run(
     let cancels = cancel::subscribe(&client).await.map_err(|e| WorkerError::start("listen for cancel requests", e))?;
     let pings = ping::subscribe(&client).await.map_err(|e| WorkerError::start("listen for pings", e))?;
     ping::warn_of_a_namesake(&client, &config.worker_id).await;
+    // Answered from here on: while this worker starts, the fleet leaves the classes it admitted
+    // when it last served to it (restart.rs).
+    let last_served = restart::LastServed::new(&config.state_dir, &config.worker_id);
+    let holds = last_served.take(&config.classes);
+    let answers = ping::Answers::starting(restart::Starting::new(&config.worker_id, &config.classes, holds, config.degrade.restart_grace));
+    let _pings = ping::listen(client.clone(), answers.clone(), pings);
     let mut consumers =
         fetch::Consumers::bind(&jobs_stream, &config.classes, config.idle_poll).await.map_err(|e| WorkerError::start("bind consumers", e))?;
     let (ack_wait, max_deliver) = consumers.limits().await.map_err(|e| WorkerError::start("read consumer limits", e))?;
@@ -323,7 +330,12 @@ pub async fn run(
     // (it holds no job yet), rather than after the probes, past an orchestrator's grace. A probe
     // ends at its step; a session ONNX Runtime is building, when that returns.
     let ready = tokio::select! {
-        ready = startup::prepare(&config) => ready.inspect_err(|e| health.set_not_ready(e.to_string()))?,
+        ready = async {
+            if let Some(wait) = config.faults.slow_start {
+                tokio::time::sleep(wait).await;
+            }
+            startup::prepare(&config).await
+        } => ready.inspect_err(|e| health.set_not_ready(e.to_string()))?,
         () = stop.cancelled() => {
             info!("stopped while loading models and calibrating");
             return Ok(());
@@ -368,13 +380,14 @@ pub async fn run(
     });
     let _advisories = advisory::listen(shared.clone(), advisories);
     let _cancels = cancel::listen(shared.clone(), cancels);
-    let _pings = ping::listen(shared.clone(), pings);
+    answers.serve(shared.clone());
     let _backlog = backlog::export(shared.clone());
     let watching = Arc::new(std::sync::atomic::AtomicBool::new(false));
     if let Some(gpu) = shared.config.gpu_index() {
         watch_driver_events(&shared, gpu, watching.clone());
     }
     health.set_ready();
+    last_served.record(&shared.budget.admits_when_idle(&shared.config.classes).unwrap_or_default());
     info!(worker = %shared.config.worker_id, classes = %shared.config.classes, "taking jobs");
 
     let tracker = TaskTracker::new();

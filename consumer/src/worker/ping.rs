@@ -2,7 +2,7 @@
 //! shows of the fleet (also of idle workers, which send no progress events), and how it tells
 //! that jobs wait in a class no live worker serves or can admit.
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use futures::StreamExt;
 use shotfleet_schema::progress::{GpuMemory, PING_SUBJECT, WorkerState};
@@ -10,6 +10,7 @@ use tracing::warn;
 
 use crate::worker::Shared;
 use crate::worker::commit::now_ms;
+use crate::worker::restart::Starting;
 
 /// Subscribes to pings.
 ///
@@ -19,13 +20,35 @@ pub async fn subscribe(client: &async_nats::Client) -> Result<async_nats::Subscr
     client.subscribe(PING_SUBJECT).await
 }
 
-/// Answers pings until the subscription ends.
-pub fn listen(shared: Arc<Shared>, mut pings: async_nats::Subscriber) -> tokio::task::JoinHandle<()> {
+/// Whom a ping's answer describes: the worker starting, then, once it serves, the worker.
+pub struct Answers {
+    starting: Starting,
+    serving: OnceLock<Arc<Shared>>,
+}
+
+impl Answers {
+    pub fn starting(starting: Starting) -> Arc<Self> {
+        Arc::new(Self { starting, serving: OnceLock::new() })
+    }
+
+    /// From now on pings hear the serving worker's state.
+    pub fn serve(&self, shared: Arc<Shared>) {
+        let _ = self.serving.set(shared);
+    }
+
+    fn state(&self) -> WorkerState {
+        self.serving.get().map_or_else(|| self.starting.state(), |shared| state(shared))
+    }
+}
+
+/// Answers pings until the subscription ends: from the start, so the fleet hears of a worker
+/// loading its models (restart.rs), not only of one serving.
+pub fn listen(client: async_nats::Client, answers: Arc<Answers>, mut pings: async_nats::Subscriber) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
         while let Some(ping) = pings.next().await {
             let Some(to) = ping.reply else { continue };
-            let payload = serde_json::to_vec(&state(&shared)).expect("states serialize");
-            if let Err(e) = shared.js.client().publish(to, payload.into()).await {
+            let payload = serde_json::to_vec(&answers.state()).expect("states serialize");
+            if let Err(e) = client.publish(to, payload.into()).await {
                 warn!(error = %e, "cannot answer a ping");
             }
         }
@@ -64,6 +87,7 @@ pub fn state(shared: &Shared) -> WorkerState {
         // renders, its next job dealt, is not idle (tail.rs asks who is).
         in_flight: u32::try_from(crate::telemetry::jobs_in_flight()).unwrap_or(u32::MAX),
         taking_jobs: !shared.stop.is_cancelled(),
+        starting: false,
         at_ms: now_ms(),
     }
 }

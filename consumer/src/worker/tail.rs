@@ -97,6 +97,7 @@ mod tests {
             gpu: GpuMemory::default(),
             in_flight,
             taking_jobs,
+            starting: false,
             at_ms: 0,
         }
     }

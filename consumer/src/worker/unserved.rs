@@ -1,11 +1,12 @@
 //! Jobs of a class no live worker can hold. A fleet of small cards never fetches a class larger
 //! than its budget admits, and a worker stops admitting a class after it ran out of memory on
 //! it, so such a job would wait in the queue forever. Every worker looks every `[degrade]
-//! handoff`, beside its fetch loop: when no live worker (itself included) admits a class above
-//! the smallest it serves and the oldest job of it has waited that long, the worker takes it and
-//! sends it one rung down the degrade ladder without rendering (a smaller class, which the fleet
-//! can hold), or fails it with reason `oom` below its floor. A job of a class some live worker
-//! admits is left to that worker, however busy it is: degrading is the last resort.
+//! handoff`, beside its fetch loop: when no live worker (itself included; a restarting one for its
+//! `[degrade] restart_grace`, restart.rs) admits a class above the smallest it serves and the
+//! oldest job of it has waited that long, the worker takes it and sends it one rung down the
+//! degrade ladder without rendering (a smaller class, which the fleet can hold), or fails it with
+//! reason `oom` below its floor. A job of a class some live worker admits is left to that worker,
+//! however busy it is: degrading is the last resort.
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -79,7 +80,8 @@ impl Unserved {
     async fn look(&mut self, shared: &Arc<Shared>) -> bool {
         let handoff = shared.config.degrade.handoff;
         let admitted = match shotfleet_schema::nats::ping(&shared.js.client(), PING_WAIT).await {
-            Ok(states) => states.into_iter().filter(|s| s.taking_jobs).flat_map(|s| s.admits).collect::<BTreeSet<_>>(),
+            // A worker restarting holds the classes it admitted for its grace (restart.rs).
+            Ok(states) => states.into_iter().filter(|s| s.taking_jobs || s.starting).flat_map(|s| s.admits).collect::<BTreeSet<_>>(),
             Err(e) => {
                 tracing::warn!(error = %e, "cannot ask the fleet what it holds; leaving larger classes queued");
                 return false;
