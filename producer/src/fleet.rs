@@ -39,10 +39,13 @@ impl Fleet {
         // A worker that holds nothing says so: what its progress events left before the answer
         // (a process killed mid-render and restarted under the same name, a job that left
         // without a last event) is gone; an event sent after the answer stands.
-        if state.in_flight == 0 {
+        // A starting process knows neither (it may answer beside its draining predecessor).
+        if state.in_flight == 0 && !state.starting {
             worker.holds.retain(|_, event| event.at_ms > state.at_ms);
         }
-        worker.gpu = Some(state.gpu);
+        if !state.starting {
+            worker.gpu = Some(state.gpu);
+        }
         worker.state = Some(state);
         worker.seen = Some(at);
     }

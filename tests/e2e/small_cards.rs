@@ -215,13 +215,13 @@ async fn a_class_no_live_worker_holds_goes_one_rung_down_after_the_handoff() {
     assert!(events[1].1.contains("one rung down"), "{events:?}");
 }
 
-#[tokio::test]
-async fn a_restarting_worker_keeps_its_classes_while_it_starts() {
+/// A small card serving xs only, which sends a larger class down after 2 s held by nobody, and a
+/// roomy one serving xs and s, restarted to take 8 s to start (four of the small one's handoffs)
+/// with `restart_grace`; a job of class s queued while it starts. Its result, and both logs.
+async fn a_job_queued_while_the_roomy_worker_restarts(restart_grace: &str) -> (shotfleet_schema::ShotResult, String, String) {
     let server = NatsServer::start();
     let js = jetstream_with(&server.url(), &Topology::default()).await;
     let store = tempfile::tempdir().unwrap();
-    // A small card serving xs only, which sends a larger class down after 2 s held by nobody, and
-    // a roomy one serving xs and s.
     let mut small = WorkerSpec::new("xs-only", store.path());
     small.classes = "[\"xs\"]";
     small.extra = "[degrade]\nhandoff = \"2s\"\n".into();
@@ -230,18 +230,40 @@ async fn a_restarting_worker_keeps_its_classes_while_it_starts() {
     let mut roomy = Worker::start(&server.url(), roomy_spec.clone());
     assert_eq!(roomy.terminate(Duration::from_secs(30)), Some(0), "{}", roomy.log());
 
-    // Restarted, the roomy worker takes 8 s to start: four of the small one's handoffs. A job
-    // of class s queued meanwhile waits for it rather than going one rung down.
     let mut slow = roomy_spec.clone();
-    slow.extra = "[faults]\nslow_start = \"8s\"\n".into();
+    slow.extra = format!("[faults]\nslow_start = \"8s\"\n[degrade]\nrestart_grace = \"{restart_grace}\"\n");
     roomy.respawn(&server.url(), slow);
+    // Queued once the new process answers pings as starting (what it answers is the point).
+    let client = async_nats::connect(server.url()).await.unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let states = shotfleet_schema::nats::ping(&client, Duration::from_millis(300)).await.unwrap();
+        if states.iter().any(|s| s.worker == "roomy" && s.starting) {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "the restarted worker never answered a ping:\n{}", roomy.log());
+    }
     let waiting = shot(Priority::P1, job("while-restarting", "acme", (768, 768), 2, 1));
     submit(&js, std::slice::from_ref(&waiting)).await;
     let result = results(&outcomes(&js, &[waiting], Duration::from_secs(90)).await).remove(0);
-    assert_eq!(result.status, shotfleet_schema::ResultStatus::Done, "{}", small.log());
+    (result, small.log(), roomy.log())
+}
+
+#[tokio::test]
+async fn a_restarting_worker_keeps_its_classes_while_it_starts() {
+    let (result, small, roomy) = a_job_queued_while_the_roomy_worker_restarts("5m").await;
+    assert_eq!(result.status, shotfleet_schema::ResultStatus::Done, "{small}");
     assert!(result.degrade.is_none(), "{:?}", result.degrade);
     assert_eq!((result.images[0].width, result.images[0].height), (768, 768));
     assert_eq!(result.worker, "roomy");
-    assert!(roomy.log().contains("restarting: the fleet leaves the classes this worker admitted to it"), "{}", roomy.log());
-    assert!(!small.log().contains("no live worker holds this class"), "{}", small.log());
+    assert!(roomy.contains("restarting: the fleet leaves the classes this worker admitted to it"), "{roomy}");
+    assert!(!small.contains("no live worker holds this class"), "{small}");
+}
+
+#[tokio::test]
+async fn without_a_restart_grace_the_job_goes_down_while_the_worker_starts() {
+    let (result, small, _) = a_job_queued_while_the_roomy_worker_restarts("0s").await;
+    assert_eq!(result.status, shotfleet_schema::ResultStatus::Degraded, "{small}");
+    assert_eq!((result.images[0].width, result.images[0].height), (512, 512), "one class down, into xs");
+    assert!(small.contains("no live worker holds this class"), "{small}");
 }

@@ -418,6 +418,8 @@ pub async fn run(
         Ok(Err(e)) => warn!(error = %e, "draining the NATS connection failed"),
         Err(_) => warn!("draining the NATS connection took over 10 s; exiting without it"),
     }
+    // What it admits as it stops: a restart holds these (restart.rs).
+    last_served.record(&shared.budget.admits_when_idle(&shared.config.classes).unwrap_or_default());
     exited.cancel();
     let _ = telemetry_server.stopped().await;
     match shared.take_exit() {

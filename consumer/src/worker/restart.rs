@@ -69,9 +69,15 @@ impl LastServed {
         }
     }
 
-    /// Writes what this start admits, now that it is ready. A failure is logged: the next
-    /// start then holds no class while it starts, as before this record existed.
+    /// Writes what this worker admits: once it is ready, and again as it stops (an out-of-memory
+    /// may have taken a class from it since). A failure is logged: the next start then holds no
+    /// class while it starts, as before this record existed. Records nobody took for
+    /// [`STALE_AFTER`] go: on a shared state folder every worker id that ever served leaves one
+    /// (a Kubernetes pod's id is its name).
     pub fn record(&self, admits: &[MemoryClass]) {
+        if let Some(dir) = self.path.parent() {
+            remove_stale(dir);
+        }
         let record = Record { worker: self.worker_id.clone(), admits: admits.to_vec(), at_ms: now_ms() };
         let write = || -> std::io::Result<()> {
             if let Some(dir) = self.path.parent() {
@@ -87,12 +93,28 @@ impl LastServed {
     }
 }
 
+/// How old a record of another start may grow before a worker writing its own removes it.
+pub const STALE_AFTER: Duration = Duration::from_secs(7 * 24 * 3600);
+
+/// Removes the records in `dir` last written over [`STALE_AFTER`] ago.
+fn remove_stale(dir: &Path) {
+    let Ok(entries) = std::fs::read_dir(dir) else { return };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let stale = entry.metadata().and_then(|m| m.modified()).is_ok_and(|t| t.elapsed().is_ok_and(|age| age > STALE_AFTER));
+        if stale && name.to_string_lossy().starts_with("last-served-") {
+            let _ = std::fs::remove_file(entry.path());
+        }
+    }
+}
+
 /// A worker's answer to pings while it starts.
 pub struct Starting {
     worker: String,
     serves: Vec<MemoryClass>,
     holds: Vec<MemoryClass>,
-    until: Instant,
+    started: Instant,
+    grace: Duration,
 }
 
 impl Starting {
@@ -101,7 +123,7 @@ impl Starting {
         if !holds.is_empty() && !grace.is_zero() {
             info!(classes = ?holds, grace_s = grace.as_secs_f64(), "restarting: the fleet leaves the classes this worker admitted to it while it starts");
         }
-        Self { worker: worker.to_owned(), serves: serves.to_vec(), holds, until: Instant::now() + grace }
+        Self { worker: worker.to_owned(), serves: serves.to_vec(), holds, started: Instant::now(), grace }
     }
 
     /// What a ping hears: no job taken, and the classes held while the grace lasts.
@@ -111,7 +133,7 @@ impl Starting {
             worker: self.worker.clone(),
             device: "(starting)".into(),
             serves: self.serves.clone(),
-            admits: if Instant::now() < self.until { self.holds.clone() } else { Vec::new() },
+            admits: if self.started.elapsed() < self.grace { self.holds.clone() } else { Vec::new() },
             gpu: GpuMemory::default(),
             in_flight: 0,
             taking_jobs: false,
@@ -151,6 +173,23 @@ mod tests {
         std::fs::write(&a.path, b"{ not json").unwrap();
         assert!(a.take(&[M]).is_empty());
         assert!(!a.path.exists(), "a broken record is removed too");
+    }
+
+    #[test]
+    fn records_nobody_took_for_a_week_go_when_another_is_written() {
+        let dir = tempfile::tempdir().unwrap();
+        let old = LastServed::new(dir.path(), "pod-gone");
+        old.record(&[M]);
+        let week_ago = std::time::SystemTime::now() - STALE_AFTER - Duration::from_secs(60);
+        std::fs::File::options().write(true).open(&old.path).unwrap().set_modified(week_ago).unwrap();
+        let recent = LastServed::new(dir.path(), "pod-recent");
+        recent.record(&[M]);
+        let unrelated = dir.path().join("fingerprint-0123.json");
+        std::fs::write(&unrelated, b"{}").unwrap();
+        std::fs::File::options().write(true).open(&unrelated).unwrap().set_modified(week_ago).unwrap();
+        LastServed::new(dir.path(), "pod-new").record(&[S]);
+        assert!(!old.path.exists(), "a record a week old goes");
+        assert!(recent.path.exists() && unrelated.exists(), "a recent record and other files stay");
     }
 
     #[test]
