@@ -118,7 +118,8 @@ Every job named (or, with no JOB, every unfinished job of the project, or of --s
 outcome of status `cancelled` on shots.done.<project>.<job>, so `submit --wait` and every other
 client see it end. A worker of the fleet answers the request: it claims that outcome, removes the
 job's queued copies from SHOTS, and the worker rendering it stops at its next step and deletes what
-it uploaded. A job that already finished is left as it is, and said so.";
+it uploaded. A job that already finished is left as it is, and said so; a job named here that
+failed is cancelled over its failure (its record stays in SHOT_FAILED), so `shotfleet replay` skips it.";
 
 #[derive(Args)]
 struct StatusArgs {

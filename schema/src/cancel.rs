@@ -8,8 +8,9 @@
 //! every outcome), removes the job's queued messages from `SHOTS`, and replies with a
 //! [`CancelReply`]. A worker rendering a cancelled job sees the outcome land on the job's result
 //! subject and stops at its next step. A job whose last outcome is a rendered result, or that
-//! has nothing queued or running after a failed or cancelled outcome, is already finished:
-//! nothing changes.
+//! has nothing queued or running after a cancelled outcome, is already finished: nothing changes.
+//! A job that failed, with nothing queued since, is cancelled over its failure, so that
+//! `shotfleet replay` (which skips a job cancelled after it failed) does not render it.
 
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
@@ -183,9 +184,10 @@ pub struct CancelledJob {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum CancelResult {
-    /// Its outcome is now `cancelled`: it will not be rendered (a render in progress stops).
+    /// Its outcome is now `cancelled`: it will not be rendered (a render in progress stops; a
+    /// job that had failed is not replayed).
     Cancelled,
-    /// It had already finished; nothing changed.
+    /// It had already finished (rendered, or cancelled before); nothing changed.
     AlreadyFinished,
     /// Nothing of it is queued, running or finished in the project.
     Unknown,

@@ -152,3 +152,50 @@ async fn a_cancelled_job_is_queued_again_when_asked() {
     let out = shotfleet(&fleet.url(), &["submit", board, "--again"]).await;
     assert!(text(&out).contains("1 already rendered"), "{}", text(&out));
 }
+
+/// A failed job its owner cancels is not rendered by a later replay of failed jobs: the cancel
+/// lands over the failure, and replay skips a job cancelled after it failed.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_failed_job_its_owner_cancels_is_not_replayed() {
+    use shotfleet_tests::{Worker, WorkerSpec, jetstream_with};
+    let server = shotfleet_testkit::NatsServer::start();
+    let js = jetstream_with(&server.url(), &shotfleet_schema::nats::Topology::default()).await;
+    let store = tempfile::tempdir().unwrap();
+    // A card serving xs only fails a 768x768 job whose floor is its own size after a 2 s handoff.
+    let mut spec = WorkerSpec::new("xs-only", store.path());
+    spec.classes = "[\"xs\"]";
+    spec.extra = "[degrade]\nhandoff = \"2s\"\n".into();
+    let worker = Worker::start(&server.url(), spec);
+    let mut j = job("failed-then-cancelled", "acme", (768, 768), 2, 1);
+    j.floor = Some(shotfleet_schema::Floor { min_side: 768, min_steps: 0 });
+    let s = shot(Priority::P1, j);
+    submit(&js, std::slice::from_ref(&s)).await;
+    match outcomes(&js, std::slice::from_ref(&s), Duration::from_secs(60)).await.remove("failed-then-cancelled") {
+        Some(Outcome::Failed { reason, .. }) => assert_eq!(reason, "oom", "{}", worker.log()),
+        other => panic!("expected a failure below the floor, got {other:?}\n{}", worker.log()),
+    }
+
+    let out = shotfleet(&server.url(), &["cancel", "--project", "acme", "failed-then-cancelled"]).await;
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(text(&out).contains("a replay of failed jobs skips it"), "{}", text(&out));
+    let last = shotfleet_schema::nats::outcome::last(&js.get_stream(subject::RESULTS_STREAM).await.unwrap(), "acme", "failed-then-cancelled")
+        .await
+        .unwrap()
+        .expect("an outcome");
+    assert_eq!(last.result.status, ResultStatus::Cancelled);
+    // Cancelling it again changes nothing.
+    let again = shotfleet(&server.url(), &["cancel", "--project", "acme", "failed-then-cancelled"]).await;
+    assert!(text(&again).contains("already finished"), "{}", text(&again));
+
+    let filter = shotfleet_producer::replay::Filter { jobs: vec!["failed-then-cancelled".into()], ..Default::default() };
+    let mut skipped = Vec::new();
+    shotfleet_producer::replay::replay(&js, &filter, false, |_, outcome| {
+        if let shotfleet_producer::replay::Outcome::Skipped { why } = outcome {
+            skipped.push(why.clone());
+        }
+    })
+    .await
+    .expect("replay");
+    assert_eq!(skipped.len(), 1, "{skipped:?}");
+    assert!(skipped[0].contains("after it failed"), "{skipped:?}");
+}
