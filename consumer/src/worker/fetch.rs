@@ -18,6 +18,33 @@ use crate::budget::Admission;
 use crate::worker::delivery::{Delivery, Origin};
 use crate::worker::priority::Scheduler;
 
+/// Consumers this worker leaves to the rest of the fleet for a moment after it gave one of their
+/// jobs back (out of memory, a LoRA set it cannot hold): the job comes back after the
+/// give-back's delay to whichever worker asks first, and the worker that gave it back, asking
+/// again at once, was most often that one (seen in CI: six redeliveries in a row to a card that
+/// could not hold the job, none to the roomier one polling beside it).
+#[derive(Debug, Default)]
+pub struct HoldOff {
+    until: Mutex<Vec<(Origin, Instant)>>,
+}
+
+impl HoldOff {
+    /// Leaves `origin`'s consumer to others for `span` from now.
+    pub fn leave(&self, origin: Origin, span: Duration) {
+        let until = Instant::now() + span;
+        let mut held = self.until.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        held.retain(|(o, _)| *o != origin);
+        held.push((origin, until));
+    }
+
+    /// Whether `origin`'s consumer is left to others `now`.
+    fn leaves(&self, origin: Origin, now: Instant) -> bool {
+        let mut held = self.until.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        held.retain(|(_, until)| *until > now);
+        held.iter().any(|(o, _)| *o == origin)
+    }
+}
+
 /// The durable consumers this worker pulls from.
 pub struct Consumers {
     render: Vec<(Origin, PullConsumer)>,
@@ -65,8 +92,9 @@ impl Consumers {
         Ok((info.config.ack_wait, max_deliver))
     }
 
-    /// Up to `slots` jobs that fit `admission`, polled in the scheduler's order.
-    pub async fn next_jobs(&self, admission: &Admission, slots: usize, scheduler: &mut Scheduler) -> Vec<Delivery> {
+    /// Up to `slots` jobs that fit `admission`, polled in the scheduler's order, from the
+    /// consumers `hold_off` does not leave to others.
+    pub async fn next_jobs(&self, admission: &Admission, slots: usize, scheduler: &mut Scheduler, hold_off: &HoldOff) -> Vec<Delivery> {
         let now = Instant::now();
         let mut taken = Vec::new();
         // Larger classes first: a big card is the only place they can go; small jobs have many.
@@ -84,10 +112,10 @@ impl Consumers {
                 let Some(index) = self.render.iter().position(|(o, _)| o.priority == priority && o.class == SubjectClass::Class(*class)) else {
                     continue;
                 };
-                if self.recently_empty(index, now) {
+                let (origin, consumer) = &self.render[index];
+                if self.recently_empty(index, now) || hold_off.leaves(*origin, now) {
                     continue;
                 }
-                let (origin, consumer) = &self.render[index];
                 let pulled = pull(consumer, *origin, room).await;
                 self.found_empty.lock().unwrap_or_else(std::sync::PoisonError::into_inner)[index] = pulled.is_empty().then(Instant::now);
                 taken.extend(pulled);
@@ -131,4 +159,23 @@ async fn pull(consumer: &PullConsumer, origin: Origin, max: usize) -> Vec<Delive
         .map(|m| Delivery::new(m, origin))
         .collect()
         .await
+}
+
+#[cfg(test)]
+mod tests {
+    use shotfleet_schema::MemoryClass;
+
+    use super::*;
+
+    #[test]
+    fn a_consumer_given_a_job_back_is_left_to_others_for_the_span_only() {
+        let origin = |class| Origin { priority: Priority::P1, class: SubjectClass::Class(class) };
+        let hold_off = HoldOff::default();
+        let now = Instant::now();
+        hold_off.leave(origin(MemoryClass::S), Duration::from_secs(2));
+        assert!(hold_off.leaves(origin(MemoryClass::S), now));
+        assert!(!hold_off.leaves(origin(MemoryClass::M), now), "another class is not left");
+        assert!(!hold_off.leaves(Origin { priority: Priority::P0, class: SubjectClass::Class(MemoryClass::S) }, now), "nor another priority");
+        assert!(!hold_off.leaves(origin(MemoryClass::S), now + Duration::from_secs(3)), "the span is over");
+    }
 }

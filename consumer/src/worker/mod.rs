@@ -170,6 +170,9 @@ pub struct Shared {
     /// (redelivered while the first is still here, or the job published twice) is given back
     /// for another worker rather than rendered beside it.
     pub held: Arc<std::sync::Mutex<std::collections::HashSet<String>>>,
+    /// Consumers this worker leaves to the fleet for a moment after giving one of their jobs
+    /// back (fetch.rs).
+    pub hold_off: fetch::HoldOff,
     /// Why the worker must exit with a non-zero code, once known.
     exit: std::sync::Mutex<Option<WorkerError>>,
 }
@@ -376,6 +379,7 @@ pub async fn run(
         stop: stop.clone(),
         commits: Arc::new(Semaphore::new(config_concurrency)),
         held: Arc::default(),
+        hold_off: fetch::HoldOff::default(),
         exit: std::sync::Mutex::new(None),
     });
     let _advisories = advisory::listen(shared.clone(), advisories);
@@ -573,7 +577,7 @@ impl Fetching<'_> {
         let mut round = reserve::Round::new(self.scheduler.order(Instant::now()), &admission);
         let wanted = self.reserve.wanted(free, per_slot, &round);
         if wanted > 0 && !admission.classes().is_empty() {
-            let fetched = self.consumers.next_jobs(&admission, wanted, &mut self.scheduler).await;
+            let fetched = self.consumers.next_jobs(&admission, wanted, &mut self.scheduler, &shared.hold_off).await;
             self.reserve.add(fetched);
         }
         if shared.stop.is_cancelled() {

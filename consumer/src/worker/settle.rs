@@ -85,6 +85,10 @@ async fn stop(shared: &Shared, held: &Held<'_>, error: JobError) -> JobOutcome {
         ErrorKind::GiveBack { after } => {
             info!(job = held.job_id(), retry_in_ms = after.as_millis() as u64, detail = %error.detail, "giving the job back");
             delivery.nak((!after.is_zero()).then_some(after)).await;
+            // Offered to the fleet: others ask for it first when it comes back (fetch.rs).
+            if !after.is_zero() {
+                shared.hold_off.leave(delivery.origin, after * 2);
+            }
             JobOutcome::Nak
         }
         ErrorKind::Transient | ErrorKind::Timeout => failed_attempt(shared, held, &error.detail).await,
