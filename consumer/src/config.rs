@@ -27,6 +27,8 @@
 //! [priorities] p1_max_wait = "20s", p2_max_wait = "60s"
 //! [attempts]  max_failures = 5, backoff = "2s", max_backoff = "60s"   # failed attempts, not deliveries
 //! [degrade]   min_side = 512       # the ladder's floor for jobs that name none
+//!             handoff = "30s"       # a job offered to the fleet at its size before it goes down
+//!             restart_grace = "5m"  # a restarting worker keeps its classes while it starts
 //! [limits]    max_megapixel_steps = 1000   # and the other bounds of schema::Limits
 //! [supervisor] restart_backoff = "1s"       # `--gpus`: one worker per GPU (supervisor/config.rs)
 //! [lora]      cache_max_mib = 20480, device_mib = 12000, host_mib = 16384   # worker/lora/config.rs

@@ -178,6 +178,7 @@ async fn a_failed_job_its_owner_cancels_is_not_replayed() {
     let out = shotfleet(&server.url(), &["cancel", "--project", "acme", "failed-then-cancelled"]).await;
     assert!(out.status.success(), "{}", text(&out));
     assert!(text(&out).contains("a replay of failed jobs skips it"), "{}", text(&out));
+    assert!(text(&out).contains("shot-failed-then-cancelled"), "the shot is named from the failure: {}", text(&out));
     let last = shotfleet_schema::nats::outcome::last(&js.get_stream(subject::RESULTS_STREAM).await.unwrap(), "acme", "failed-then-cancelled")
         .await
         .unwrap()

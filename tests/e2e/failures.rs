@@ -44,7 +44,7 @@ async fn a_lone_worker_that_stops_admitting_a_class_degrades_its_jobs() {
     assert_eq!(result.status, ResultStatus::Degraded, "{}", lone.log());
     assert!(result.images[0].width < 1024, "{result:?}");
     let log = lone.plain_log();
-    let watched = log.lines().find(|l| l.contains("no live worker holds this class: degrading without rendering"));
+    let watched = log.lines().find(|l| l.contains("no live worker holds this class: one rung down without rendering"));
     assert!(watched.is_some_and(|l| l.contains("class=m")), "the watch sent it down, not the worker's own handoff:\n{log}");
 }
 

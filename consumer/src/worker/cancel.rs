@@ -132,9 +132,13 @@ async fn queued_jobs(shared: &Shared, project: &str) -> Result<Vec<Queued>, Stri
 
 /// Cancels one job: claims the outcome, then removes its queued copies that the outcome settles.
 async fn cancel_one(shared: &Shared, project: &str, job_id: &str, shot_id: &str, copies: &[&Queued], by: &str) -> CancelledJob {
-    let shot_id = copies.first().map_or(shot_id, |q| q.shot_id.as_str()).to_owned();
+    let last = commit::last_outcome(shared, project, job_id).await;
+    // The shot a queued copy names, else the one its last outcome names (a failed job has no
+    // copy left), else the request's.
+    let outcome_shot = last.as_ref().ok().and_then(|o| o.as_ref()).map(|o| o.result.shot_id.as_str());
+    let shot_id = copies.first().map(|q| q.shot_id.as_str()).or(outcome_shot).unwrap_or(shot_id).to_owned();
     let answer = |result, status, removed, detail: String| CancelledJob { job_id: job_id.to_owned(), shot_id: shot_id.clone(), result, status, removed, detail };
-    let last = match commit::last_outcome(shared, project, job_id).await {
+    let last = match last {
         Ok(last) => last,
         Err(e) => return answer(CancelResult::Failed, None, 0, e.detail),
     };

@@ -120,8 +120,11 @@ pub struct Starting {
 impl Starting {
     /// `holds` (from [`LastServed::take`]) for `grace` from now.
     pub fn new(worker: &str, serves: &[MemoryClass], holds: Vec<MemoryClass>, grace: Duration) -> Self {
+        let names = holds.iter().map(|c| c.as_str()).collect::<Vec<_>>().join(",");
         if !holds.is_empty() && !grace.is_zero() {
-            info!(classes = ?holds, grace_s = grace.as_secs_f64(), "restarting: the fleet leaves the classes this worker admitted to it while it starts");
+            info!(classes = %names, grace_s = grace.as_secs_f64(), "restarting: the fleet leaves the classes this worker admitted to it while it starts");
+        } else if !grace.is_zero() {
+            info!("starting: no classes held meanwhile (no record of a start that became ready, under this worker_id and state_dir)");
         }
         Self { worker: worker.to_owned(), serves: serves.to_vec(), holds, started: Instant::now(), grace }
     }

@@ -151,7 +151,7 @@ async fn degrade_unheld(shared: &Arc<Shared>, delivery: Delivery, class: MemoryC
     let handled = match next {
         Next::Settle(handled) => handled,
         Next::Render => {
-            info!(job = %taken.job().job_id, class = %class, waited_s = waited.as_secs(), "no live worker holds this class: degrading without rendering");
+            info!(job = %taken.job().job_id, class = %class, waited_s = waited.as_secs(), "no live worker holds this class: one rung down without rendering, or failed at its floor");
             let detail = format!("no live worker holds class {class} after {}s in the queue", waited.as_secs());
             Handled::Stopped(JobError::new(ErrorKind::Oom, detail))
         }
