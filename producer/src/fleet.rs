@@ -38,8 +38,9 @@ impl Fleet {
         let worker = self.workers.entry(state.worker.clone()).or_default();
         // A worker that holds nothing says so: what its progress events left before the answer
         // (a process killed mid-render and restarted under the same name, a job that left
-        // without a last event) is gone; an event sent after the answer stands.
-        // A starting process knows neither (it may answer beside its draining predecessor).
+        // without a last event) is gone; an event sent after the answer stands. A starting
+        // process knows neither its holds nor its card (it may answer beside its draining
+        // predecessor under the same name).
         if state.in_flight == 0 && !state.starting {
             worker.holds.retain(|_, event| event.at_ms > state.at_ms);
         }

@@ -151,20 +151,18 @@ async fn cancel_one(shared: &Shared, project: &str, job_id: &str, shot_id: &str,
     // stays in SHOT_FAILED for the operator, and `shotfleet replay` skips a job cancelled after
     // it failed, so its owner's cancel holds. It settles what the failure settled (an outcome
     // older than the header does not say: left as it is).
-    let failed = last.as_ref().filter(|o| o.result.status == ResultStatus::Failed).and_then(|o| o.settles_through.map(|through| (o, through)));
-    let settles_through = match (live.iter().map(|q| q.sequence).max(), failed, &last) {
-        (Some(newest), _, _) => newest,
-        (None, Some((_, through)), _) => through,
-        (None, None, Some(outcome)) => return finished(answer, outcome),
-        (None, None, None) => {
-            return answer(CancelResult::Unknown, None, 0, format!("no job `{job_id}` is queued, running or finished in project `{project}`"));
-        }
+    let failed_through = last.as_ref().filter(|o| o.result.status == ResultStatus::Failed).and_then(|o| o.settles_through);
+    let Some(settles_through) = live.iter().map(|q| q.sequence).max().or(failed_through) else {
+        return match &last {
+            Some(outcome) => finished(answer, outcome),
+            None => answer(CancelResult::Unknown, None, 0, format!("no job `{job_id}` is queued, running or finished in project `{project}`")),
+        };
     };
     let expected = last.as_ref().map_or(0, |o| o.sequence);
     let cancelled = cancelled_outcome(shared, project, job_id, &shot_id, by);
     match commit::claim_as(shared, &cancelled, expected, subject::msg_id::cancel(project, job_id, expected), settles_through).await {
         Ok(Claim::Ours) if live.is_empty() => {
-            let had = failed.map_or_else(String::new, |(o, _)| o.result.failure.as_ref().map_or_else(String::new, |f| f.detail.clone()));
+            let had = last.as_ref().and_then(|o| o.result.failure.as_ref()).map_or("", |f| f.detail.as_str());
             info!(job = job_id, project, by, "cancelled after it failed");
             answer(CancelResult::Cancelled, Some(ResultStatus::Cancelled), 0, format!("it had failed ({had}); cancelled by {by}, so a replay of failed jobs skips it"))
         }

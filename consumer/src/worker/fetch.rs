@@ -21,8 +21,8 @@ use crate::worker::priority::Scheduler;
 /// Consumers this worker leaves to the rest of the fleet for a moment after it gave one of their
 /// jobs back (out of memory, a LoRA set it cannot hold): the job comes back after the
 /// give-back's delay to whichever worker asks first, and the worker that gave it back, asking
-/// again at once, was most often that one (seen in CI: six redeliveries in a row to a card that
-/// could not hold the job, none to the roomier one polling beside it).
+/// again at once, can be that one every time, so a roomier worker polling beside it never
+/// gets the job.
 #[derive(Debug, Default)]
 pub struct HoldOff {
     until: Mutex<Vec<(Origin, Instant)>>,

@@ -178,6 +178,12 @@ pub struct Shared {
 }
 
 impl Shared {
+    /// The classes it serves whose largest one-image job fits its budget when idle: what its
+    /// pings answer, and what a restart holds (restart.rs).
+    pub fn admits(&self) -> Vec<shotfleet_schema::MemoryClass> {
+        self.budget.admits_when_idle(&self.config.classes).unwrap_or_default()
+    }
+
     /// The current models.
     pub fn pipeline(&self) -> Arc<Pipeline> {
         self.pipeline
@@ -391,7 +397,7 @@ pub async fn run(
         watch_driver_events(&shared, gpu, watching.clone());
     }
     health.set_ready();
-    last_served.record(&shared.budget.admits_when_idle(&shared.config.classes).unwrap_or_default());
+    last_served.record(&shared.admits());
     info!(worker = %shared.config.worker_id, classes = %shared.config.classes, "taking jobs");
 
     let tracker = TaskTracker::new();
@@ -423,7 +429,7 @@ pub async fn run(
         Err(_) => warn!("draining the NATS connection took over 10 s; exiting without it"),
     }
     // What it admits as it stops: a restart holds these (restart.rs).
-    last_served.record(&shared.budget.admits_when_idle(&shared.config.classes).unwrap_or_default());
+    last_served.record(&shared.admits());
     exited.cancel();
     let _ = telemetry_server.stopped().await;
     match shared.take_exit() {

@@ -81,7 +81,7 @@ pub fn state(shared: &Shared) -> WorkerState {
         worker: shared.config.worker_id.clone(),
         device: shared.device_name.clone(),
         serves: classes.to_vec(),
-        admits: shared.budget.admits_when_idle(classes).unwrap_or_default(),
+        admits: shared.admits(),
         gpu: status.as_ref().map_or_else(GpuMemory::default, |s| GpuMemory { used_bytes: s.used, total_bytes: s.total, budget_bytes: s.budget }),
         // Every job it holds, fetched and not settled, reserved ones too: a worker between two
         // renders, its next job dealt, is not idle (tail.rs asks who is).

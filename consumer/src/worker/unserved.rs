@@ -126,7 +126,6 @@ impl Unserved {
         }
         took
     }
-
 }
 
 /// Whether the oldest job queued for `origin`'s consumer has waited `handoff`.
