@@ -18,7 +18,11 @@ and how far the outputs are apart (max |a - b| and ||a - b|| / ||a||: an exact r
 a rounding's worth where a kernel sums in another order). Variants: a pass name, `all` (every
 pass), or `none` (the graph saved again untouched: its ratio is the two identical sessions'
 spread). A variant is worth keeping where it is faster by more than that spread and the outputs
-agree.
+agree. A variant `opt:KEY=VALUE[;KEY=VALUE]` is the same graph in a session with those CUDA
+provider options added to --cuda-option's, e.g. `opt:sdpa_kernel=1`: the attention on ONNX
+Runtime's own flash kernel instead of the one it picks (the profile's is cuDNN's; the bits are
+AttentionBackend's in onnxruntime/contrib_ops/cpu/bert/attention_common.h: 1 flash, 2 memory
+efficient, 4 TensorRT fused, 8 cuDNN flash, 16 unfused).
 
 streams: whether two UNet calls in flight at once keep the card busier than one (issue 17, point
 2). The worker's two render slots hold one UNet session's lock for a whole schedule, so their UNet
@@ -108,9 +112,14 @@ def time_variants(args) -> dict:
         row: dict = {"variant": variant, "status": "error"}
         doc["variants"].append(row)
         try:
-            path = model.with_name(f"model-tune-{variant.replace('+', '_')}.onnx")
-            row["rewrite"] = rewrite(model, path, passes_of(variant))
-            sess = session(str(path), args.device, cuda_options, None)
+            if variant.startswith("opt:"):
+                # The same graph; only the provider's options differ.
+                path, options = model, cuda_options | dict(kv.split("=", 1) for kv in variant[4:].split(";"))
+                row["cuda_options"] = options
+            else:
+                path, options = model.with_name(f"model-tune-{variant.replace('+', '_')}.onnx"), cuda_options
+                row["rewrite"] = rewrite(model, path, passes_of(variant))
+            sess = session(str(path), args.device, options, None)
             call, keep = bind(sess, args.batch, args.size, args.device)
             for _ in range(args.warmup):
                 call()
@@ -128,7 +137,8 @@ def time_variants(args) -> dict:
             row["speedup"] = round(row["original_ms"] / row["variant_ms"], 4)
             row["status"] = "ok"
             del sess, keep
-            path.unlink(missing_ok=True)
+            if path != model:
+                path.unlink(missing_ok=True)
         except Exception as e:  # noqa: BLE001 - one variant's failure is its row, the next one runs
             row["error"] = f"{type(e).__name__}: {e}"[:800]
         print(json.dumps(row), flush=True)

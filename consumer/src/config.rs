@@ -12,6 +12,7 @@
 //! classes = ["xs", "s", "m"]       # the classes this card serves at most, or "auto": what it holds
 //! concurrency = 1                  # jobs rendered at once
 //! batch_jobs = 4                   # compatible jobs rendered together in shared UNet batches
+//! unet_sessions = 2                # a UNet session per render slot: their UNet calls overlap (weights twice)
 //! lookahead = 12                   # jobs fetched ahead to find them on a mixed queue (default 3 x batch_jobs)
 //! affinity_passes = 2              # times a job may be passed over for one like the last render's
 //! grace_period = "60s"
@@ -22,6 +23,7 @@
 //! [store]     url = "s3://renders/shotfleet", endpoint = "http://minio:9000"
 //! [budget]    max_fill = 0.9, reserve_mib = 512, max_mib = 12288   # max_mib: a share of the card
 //! [cuda.unet] conv_algo_search = "exhaustive", fuse_conv_bias = true, graph = false   # search unset: heuristic
+//!             attention = "flash"  # or "efficient", "cudnn"; unset: ONNX Runtime's choice
 //! [cuda.vae]  conv_max_workspace = false
 //! [telemetry] listen = "127.0.0.1:9400"   # the default; a pod or a remote scraper needs another
 //! [priorities] p1_max_wait = "20s", p2_max_wait = "60s"
@@ -197,6 +199,12 @@ pub struct WorkerConfig {
     /// Jobs rendered at the same time (each in its own UNet batches); as many more may be
     /// uploading and committing, their renders done.
     pub concurrency: usize,
+    /// Sessions of the UNet, 1..=`concurrency`. With one (the default) the render slots take
+    /// turns on it, a whole schedule at a time, and the card idles in each call's gaps between
+    /// kernels; with one per slot their UNet calls run at once and fill each other's gaps, for
+    /// the UNet's weights once more on the card per session (5 GiB for SDXL in float16), which
+    /// the budget counts with the models. deploy/gpu/RESULTS.md has what it gave.
+    pub unet_sessions: usize,
     /// Up to this many compatible jobs (same size, steps, guidance, LoRA set) dealt to one slot
     /// are rendered in shared UNet batches, when the budget holds all their images. 1: off.
     pub batch_jobs: usize,
@@ -268,6 +276,7 @@ impl Default for WorkerConfig {
             model: PathBuf::new(),
             classes: Classes::default(),
             concurrency: 1,
+            unet_sessions: 1,
             batch_jobs: 1,
             lookahead: None,
             affinity_passes: 2,
@@ -426,6 +435,12 @@ impl WorkerConfig {
         }
         if self.concurrency == 0 || self.concurrency > 64 {
             return Err(bad("concurrency", format!("{} is outside 1..=64", self.concurrency)));
+        }
+        if self.unet_sessions == 0 || self.unet_sessions > self.concurrency {
+            return Err(bad(
+                "unet_sessions",
+                format!("{} is outside 1..=concurrency ({}): a session no render slot takes only holds memory", self.unet_sessions, self.concurrency),
+            ));
         }
         if self.batch_jobs == 0 || self.batch_jobs > 64 {
             return Err(bad("batch_jobs", format!("{} is outside 1..=64", self.batch_jobs)));

@@ -162,3 +162,64 @@ fn runs_land_on_the_pipelines_own_threads_and_no_others() {
     assert_eq!(count, 12, "every piece of work ran");
     assert!(names.is_subset(&warmed), "{names:?} ran outside the warmed threads {warmed:?}");
 }
+
+/// A UNet session per run thread (`unet_sessions`, "lanes") lets two renders' schedules run at
+/// once: while one render is held in the middle of its schedule, another finishes on the other
+/// thread. With one session the other waits for the first schedule to end (a render holds the
+/// session from its first step to its last). Either way the images are the same, every lane's
+/// arena is listed, and a shrink goes through every lane.
+#[test]
+fn a_unet_session_per_run_thread_lets_two_schedules_run_at_once() {
+    use pipeline_support::{cpu_options, model_dir, require_ort};
+    use shotfleet_consumer::pipeline::{Pipeline, PipelineOptions, StepProgress};
+    use std::sync::{Arc, mpsc};
+    use std::time::Duration;
+
+    require_ort();
+    let reference = tiny_pipeline().render(&request(vec![0], 1), &mut go).unwrap().images[0].rgb.clone();
+    for lanes in [1, 2] {
+        let options = PipelineOptions { run_threads: 2, unet_sessions: lanes, ..cpu_options() };
+        let pipeline = Arc::new(Pipeline::load(&model_dir(), &options).unwrap());
+        let unets: Vec<String> = pipeline.arena_stats().into_iter().map(|(graph, _)| graph).filter(|g| g.starts_with("unet")).collect();
+        assert_eq!(unets, if lanes == 1 { vec!["unet"] } else { vec!["unet", "unet_2"] }, "{lanes} lane(s)");
+
+        let (held, is_held) = mpsc::channel();
+        let (release, released) = mpsc::channel::<()>();
+        let (done, finished) = mpsc::channel();
+        let render = |name: &'static str, mut on_step: Box<dyn FnMut(StepProgress) -> ControlFlow<()> + Send>| {
+            let (pipeline, done) = (pipeline.clone(), done.clone());
+            pipeline.clone().spawn_run(move || {
+                let rendered = pipeline.render(&request(vec![0], 1), &mut on_step).map(|out| out.images[0].rgb.clone()).map_err(|e| e.to_string());
+                let _ = done.send((name, rendered));
+            });
+        };
+        render(
+            "held",
+            Box::new(move |p| {
+                if p.step == 1 {
+                    held.send(()).unwrap();
+                    // Bounded: a failing assertion below must not leave this thread waiting forever.
+                    let _ = released.recv_timeout(Duration::from_secs(60));
+                }
+                ControlFlow::Continue(())
+            }),
+        );
+        is_held.recv_timeout(Duration::from_secs(60)).expect("the first render reached its first step");
+        render("other", Box::new(go));
+        let other = finished.recv_timeout(Duration::from_secs(if lanes == 1 { 3 } else { 60 }));
+        if lanes == 1 {
+            assert!(other.is_err(), "one session: the other render waits for the held schedule, but {other:?}");
+        } else {
+            let (name, rendered) = other.expect("a lane per thread: the other render finishes while the first is held");
+            assert_eq!(name, "other");
+            assert_eq!(rendered.unwrap(), reference, "the second lane renders the same image");
+        }
+        release.send(()).unwrap();
+        let mut results: Vec<_> = finished.iter().take(if lanes == 1 { 2 } else { 1 }).collect();
+        results.sort();
+        for (name, rendered) in results {
+            assert_eq!(rendered.unwrap_or_else(|e| panic!("{name}: {e}")), reference, "{name}, {lanes} lane(s)");
+        }
+        pipeline.shrink_arenas().expect("a shrink through every lane");
+    }
+}

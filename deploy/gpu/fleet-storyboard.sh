@@ -22,6 +22,9 @@
 #                builds a convolution's plan again at every switch of size, ~1 s more a VAE decode
 #                on that search, ~0.1-0.25 s on the heuristic (RESULTS.md, lease of 2026-12-05);
 #                the summary's `vae_after_switch` of each run says what a switch costs
+#   storyboard-unet2  as storyboard (a cold worker: a second UNet session changes what the card
+#                holds), with a UNet session per slot (`unet_sessions = 2`): the two slots' UNet
+#                calls at once instead of in turns (issue 17, point 2)
 #   storyboard-no-affinity  as storyboard-stored (the first run's state folder: its figures to
 #                read are steady-state ones), without affinity (`affinity_passes = 0`): each lead
 #                by arrival within its priority, not one like the last group dealt
@@ -52,6 +55,8 @@ stage_storyboard() {
     rm -rf "$WORK/state-kept"
     story_run storyboard "the mixed storyboard from a cold worker" ""
     story_run storyboard-stored "the mixed storyboard from a cold worker with the first run's state folder" "$WORK/state-kept"
+    story_run storyboard-unet2 "the mixed storyboard from a cold worker, a UNet session per slot (unet_sessions = 2)" \
+        "" "" "unet_sessions = 2"
     story_run storyboard-vae-exhaustive "the mixed storyboard from a cold worker, the VAE on ONNX Runtime's exhaustive search" \
         "" $'\n\n[cuda.vae]\nconv_algo_search = "exhaustive"'
     story_run storyboard-no-affinity "the mixed storyboard from the first run's state folder without affinity (affinity_passes = 0)" \

@@ -105,6 +105,9 @@ impl CudaConfig {
             if tuning.graph {
                 parts.push("CUDA graph".into());
             }
+            if tuning.attention != AttentionKernels::Auto {
+                parts.push(format!("{:?} attention", tuning.attention).to_lowercase());
+            }
             parts.join(", ")
         };
         format!("{}; {}", graph("UNet", &self.unet), graph("VAE", &self.vae))
@@ -138,12 +141,39 @@ pub struct CudaTuning {
     /// `false` allocates tensor by tensor on every run (untested on a GPU so far: a lease's
     /// `check-nopattern` run measures both the peaks and the time).
     pub mem_pattern: bool,
+    /// Which kernels ONNX Runtime may run the graph's fused attention on (`sdpa_kernel`).
+    pub attention: AttentionKernels,
 }
 
 impl Default for CudaTuning {
     fn default() -> Self {
-        Self { conv_algo_search: ConvSearch::default(), conv_max_workspace: true, fuse_conv_bias: false, graph: false, mem_pattern: true }
+        Self {
+            conv_algo_search: ConvSearch::default(),
+            conv_max_workspace: true,
+            fuse_conv_bias: false,
+            graph: false,
+            mem_pattern: true,
+            attention: AttentionKernels::default(),
+        }
     }
+}
+
+/// The attention kernels of ONNX Runtime's CUDA provider a fused `MultiHeadAttention` may use
+/// (`sdpa_kernel`); each keeps ONNX Runtime's unfused kernel behind it for shapes it cannot take
+/// (the VAE's single 512-wide head, for one).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum AttentionKernels {
+    /// ONNX Runtime's own choice (on the H100 with ONNX Runtime 1.31, cuDNN's flash kernel for
+    /// the SDXL UNet: deploy/gpu/RESULTS.md's profile).
+    #[default]
+    Auto,
+    /// ONNX Runtime's built-in flash attention.
+    Flash,
+    /// The memory-efficient (CUTLASS) kernel.
+    Efficient,
+    /// cuDNN's flash attention.
+    Cudnn,
 }
 
 /// cuDNN's convolution algorithm search (`cudnn_conv_algo_search`).
@@ -208,6 +238,12 @@ pub struct PipelineOptions {
     /// tiny render, so the memory is the load's, not a later job's. A worker sets its
     /// `concurrency`.
     pub run_threads: usize,
+    /// Sessions of the UNet (0: one), each taken by every `unet_sessions`-th run thread for a
+    /// whole schedule (unet.rs, "Lanes"). A render holds its session from its first step to its
+    /// last, so with one, renders on two threads run their UNet schedules one after the other;
+    /// with one per run thread they run them at once, and each session holds the UNet's
+    /// weights again on the device (5 GiB for SDXL in float16) and keeps an arena of its own.
+    pub unet_sessions: usize,
 }
 
 impl PipelineOptions {
@@ -551,7 +587,8 @@ impl Pipeline {
     /// once, so each thread's per-thread memory in ONNX Runtime's CUDA provider (about 588 MiB on
     /// the H200) is paid here, while loading, and counted with the models: a thread's first job would
     /// otherwise add it mid-serving, outside every estimate, and the leak guard would see it as
-    /// growth. Returns the threads' names, in pool order.
+    /// growth. Each thread renders on its own UNet lane ([`PipelineOptions::unet_sessions`]), so
+    /// every lane is warmed too. Returns the threads' names, in pool order.
     fn warm_run_threads(&self) -> Result<Vec<String>, LoadError> {
         self.run_threads
             .broadcast(|_| {
@@ -628,9 +665,16 @@ impl Pipeline {
     ///
     /// # Errors
     /// As [`Pipeline::render`].
+    ///
+    /// With more than one UNet lane ([`PipelineOptions::unet_sessions`]) every run thread renders
+    /// one, each on its own lane, so every lane's arena is given back; it returns once all have,
+    /// after the renders those threads are running now.
     pub fn shrink_arenas(&self) -> Result<(), RenderError> {
         let decode = if self.vae.holds_only_weights() { Decode::Skip } else { Decode::Images };
-        self.tiny_render(decode)
+        if self.unet.lanes() == 1 {
+            return self.tiny_render(decode);
+        }
+        self.run_threads.broadcast(|_| self.tiny_render(decode)).into_iter().collect()
     }
 
     /// One render of 8x8 latents, one step, no guidance, every run shrinking its arena.
@@ -662,15 +706,17 @@ impl Pipeline {
 
     /// Each graph's arena counters on its device, by graph: what `--check-budget`
     /// prints beside a render's peak, so a peak above the estimate can be traced to a graph (or
-    /// to memory outside every arena). On the CPU with a capped arena all graphs share one.
-    pub fn arena_stats(&self) -> Vec<(&'static str, Option<ArenaStats>)> {
+    /// to memory outside every arena). On the CPU with a capped arena all graphs share one. The
+    /// UNet's second lane and later ([`PipelineOptions::unet_sessions`]) are `unet_2`, ....
+    pub fn arena_stats(&self) -> Vec<(String, Option<ArenaStats>)> {
         let [first, second] = self.text.sessions();
-        vec![
-            ("text_encoder", first.arena_stats()),
-            ("text_encoder_2", second.arena_stats()),
-            ("unet", self.unet.session().arena_stats()),
-            ("vae_decoder", self.vae.session().arena_stats()),
-        ]
+        let mut stats = vec![("text_encoder".to_owned(), first.arena_stats()), ("text_encoder_2".to_owned(), second.arena_stats())];
+        for (i, unet) in self.unet.sessions().enumerate() {
+            let name = if i == 0 { "unet".to_owned() } else { format!("unet_{}", i + 1) };
+            stats.push((name, unet.arena_stats()));
+        }
+        stats.push(("vae_decoder".to_owned(), self.vae.session().arena_stats()));
+        stats
     }
 
     /// Token ids of both tokenizers for `text`, padded to 77.

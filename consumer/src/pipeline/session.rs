@@ -400,10 +400,10 @@ fn configure_device(
     device: &Device,
     role: Role,
 ) -> ort::Result<ort::session::builder::SessionBuilder> {
-    use ort::ep::cuda::ConvAlgorithmSearch;
+    use ort::ep::cuda::{AttentionBackend, ConvAlgorithmSearch};
     use ort::ep::{ArenaExtendStrategy, CUDA};
 
-    use super::ConvSearch;
+    use super::{AttentionKernels, ConvSearch};
     match device {
         Device::Cpu => Ok(builder),
         Device::Cuda { gpu, mem_limit_bytes, cuda: config } => {
@@ -427,6 +427,15 @@ fn configure_device(
                 .with_cuda_graph(tuning.graph);
             if let Some(limit) = mem_limit_bytes {
                 cuda = cuda.with_memory_limit(*limit as usize);
+            }
+            let attention = match tuning.attention {
+                AttentionKernels::Auto => None,
+                AttentionKernels::Flash => Some(AttentionBackend::FLASH_ATTENTION),
+                AttentionKernels::Efficient => Some(AttentionBackend::EFFICIENT_ATTENTION),
+                AttentionKernels::Cudnn => Some(AttentionBackend::CUDNN_FLASH_ATTENTION),
+            };
+            if let Some(kernels) = attention {
+                cuda = cuda.with_attention_backend(kernels);
             }
             Ok(builder
                 .with_memory_pattern(tuning.mem_pattern)?

@@ -10,6 +10,14 @@
 //! order allows (tested). The host step remains for v-prediction and for traced renders (the
 //! parity tests read the latents after every step).
 //!
+//! Lanes (`PipelineOptions::unet_sessions`): a render holds its UNet session (and its step
+//! graphs) for its whole schedule, because the `ort` binding runs a session through `&mut`. With
+//! one lane, two render slots' schedules take turns and the card idles in each call's gaps between
+//! kernels; with a lane per slot each slot has a session of its own (the weights once more on the
+//! card) and their calls overlap. A run thread always takes the same lane
+//! ([`Unet::lane`]): ONNX Runtime's CUDA provider keeps memory per session and calling thread,
+//! which a thread moving between sessions would pay again on each.
+//!
 //! CUDA graphs (`[cuda.unet] graph`): every call of a latent shape binds the same buffers
 //! (`GraphBuffers`), so the graph captured on the shape's first call replays on the addresses it
 //! recorded; the step graph writes the next sample into the buffer the UNet reads, and only the
@@ -34,7 +42,8 @@ use super::text_encoder::PromptEmbeds;
 use super::{Device, PipelineOptions, StepProgress};
 
 pub(crate) struct Unet {
-    session: ModelSession,
+    /// One or more sessions of the same graph, each with its step graphs and fixed buffers.
+    lanes: Vec<Lane>,
     sample: Port,
     timestep: Port,
     encoder_hidden_states: Port,
@@ -43,12 +52,17 @@ pub(crate) struct Unet {
     output: Port,
     /// Latent channels when the graph fixes them (4 for SDXL).
     pub latent_channels: Option<usize>,
+    /// Whether the sessions capture CUDA graphs on their fixed buffers (`[cuda.unet] graph`).
+    graphs_captured: bool,
+}
+
+/// One UNet session and what a schedule on it holds from its first step to its last.
+struct Lane {
+    session: ModelSession,
     /// Guidance + Euler step on the device, for the UNet's float type.
     steps: StepGraphs,
     /// Fixed buffers per latent shape when the loop binds them (`PipelineOptions::fixed_unet_buffers`).
     graphs: Option<Mutex<Vec<GraphBuffers>>>,
-    /// Whether the session captures CUDA graphs on those buffers (`[cuda.unet] graph`).
-    graphs_captured: bool,
 }
 
 /// The guidance batch of one sub-batch: `[negative x n, positive x n]`, as diffusers concatenates
@@ -77,6 +91,15 @@ pub(crate) struct Denoise<'a> {
     pub overrides: &'a [(String, DynTensor)],
 }
 
+impl Lane {
+    fn load(env: &Environment, path: &std::path::Path, options: &PipelineOptions) -> Result<Lane, LoadError> {
+        let session = ModelSession::load_unet(env, path, options)?;
+        let elem = session.require_input("sample", Some(4), true)?.elem;
+        let graphs = options.fixed_buffers().then(|| Mutex::new(Vec::new()));
+        Ok(Lane { steps: StepGraphs::load(env, elem, options)?, session, graphs })
+    }
+}
+
 /// The step graphs for one float type: with guidance (`[uncond; text]` in) and without.
 struct StepGraphs {
     guided: ModelSession,
@@ -101,8 +124,16 @@ impl StepGraphs {
 }
 
 impl Unet {
+    /// Loads `options.unet_sessions` lanes, their sessions built side by side: at least one, and
+    /// no more than there are run threads to take them.
     pub(crate) fn load(env: &Environment, config: &FolderConfig, options: &PipelineOptions) -> Result<Unet, LoadError> {
-        let session = ModelSession::load_unet(env, &config.dir.join(UNET), options)?;
+        let path = config.dir.join(UNET);
+        let count = options.unet_sessions.clamp(1, options.run_threads.max(1));
+        let lanes = std::thread::scope(|scope| {
+            let loading: Vec<_> = (0..count).map(|_| scope.spawn(|| Lane::load(env, &path, options))).collect();
+            loading.into_iter().map(|l| l.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic))).collect::<Result<Vec<_>, _>>()
+        })?;
+        let session = &lanes[0].session;
         let sample = session.require_input("sample", Some(4), true)?.clone();
         let timestep = session.input("timestep").cloned().ok_or_else(|| session.graph_err("no input \"timestep\"".into()))?;
         if timestep.rank() > 1 {
@@ -121,14 +152,31 @@ impl Unet {
             .ok_or_else(|| session.graph_err("expected one 4-D output (out_sample)".into()))?
             .clone();
         let latent_channels = usize::try_from(sample.dims[1]).ok();
-        let steps = StepGraphs::load(env, sample.elem, options)?;
-        let graphs = options.fixed_buffers().then(|| Mutex::new(Vec::new()));
         let graphs_captured = options.captures_graphs();
-        Ok(Unet { session, sample, timestep, encoder_hidden_states, text_embeds, time_ids, output, latent_channels, steps, graphs, graphs_captured })
+        Ok(Unet { lanes, sample, timestep, encoder_hidden_states, text_embeds, time_ids, output, latent_channels, graphs_captured })
     }
 
+    /// The calling thread's lane: run thread `i` of the pipeline's pool always takes lane
+    /// `i % lanes` (so with a lane per slot, two renders in flight never share one), any other
+    /// thread the first.
+    fn lane(&self) -> &Lane {
+        &self.lanes[rayon::current_thread_index().unwrap_or(0) % self.lanes.len()]
+    }
+
+    /// How many sessions of the graph are loaded.
+    pub(crate) fn lanes(&self) -> usize {
+        self.lanes.len()
+    }
+
+    /// Every lane's session, the first first.
+    pub(crate) fn sessions(&self) -> impl Iterator<Item = &ModelSession> {
+        self.lanes.iter().map(|lane| &lane.session)
+    }
+
+    /// The first lane's session: LoRA sets are allocated through it and every lane binds them
+    /// (they are device memory of the one card).
     pub(crate) fn session(&self) -> &ModelSession {
-        &self.session
+        &self.lanes[0].session
     }
 
     pub(crate) fn sample_elem(&self) -> super::session::Elem {
@@ -141,7 +189,7 @@ impl Unet {
         let want_dim = self.encoder_hidden_states.dims[2];
         let want_pooled = self.text_embeds.dims[1];
         if (want_dim >= 0 && want_dim as usize != embeds.dim) || (want_pooled >= 0 && want_pooled as usize != embeds.pooled.len()) {
-            return Err(self.session.graph_err(format!(
+            return Err(self.lanes[0].session.graph_err(format!(
                 "expects encoder_hidden_states [.., .., {want_dim}] and text_embeds [.., {want_pooled}], but the text encoders give {} and {}",
                 embeds.dim,
                 embeds.pooled.len()
@@ -167,7 +215,8 @@ impl Unet {
         let batch = if guided { 2 * n } else { n };
         let per_image = c * h * w;
 
-        let mut session = self.session.lock();
+        let lane = self.lane();
+        let mut session = lane.session.lock();
         let place = Place::of(run.device);
 
         // Conditioning, in the guidance batch's order, on the host.
@@ -195,11 +244,11 @@ impl Unet {
         ];
 
         let device_steps = !run.host_steps && run.schedule.device_step_params(0, run.guidance).is_some();
-        let step_graph = if guided { &self.steps.guided } else { &self.steps.plain };
+        let step_graph = if guided { &lane.steps.guided } else { &lane.steps.plain };
         // A session that captures CUDA graphs runs every call under a graph id: the fixed
         // buffers' own where this shape has them, -1 (no graph) for everything else.
         let mut uncaptured = None;
-        if let Some(graphs) = &self.graphs {
+        if let Some(graphs) = &lane.graphs {
             // A captured graph replays the weight addresses of its capture: renders with a LoRA
             // set run uncaptured on a capturing session.
             let capturable = !self.graphs_captured || run.overrides.is_empty();
@@ -207,7 +256,7 @@ impl Unet {
                 let key = GraphKey { batch, c, h, w, seq_len: pos.seq_len, dim: pos.dim, pooled: pos.pooled.len() };
                 let mut graphs = graphs.lock().unwrap_or_else(|p| p.into_inner());
                 if let Some(buffers) = self.graph_buffers(&mut graphs, key, &session, &place).map_err(err)? {
-                    return self.steps_captured(&mut session, buffers, step_graph, run, &place, &conditioning, latents, on_step);
+                    return self.steps_captured(&mut session, buffers, (step_graph, batch), run, &place, &conditioning, latents, on_step);
                 }
             }
             if self.graphs_captured {
@@ -227,7 +276,7 @@ impl Unet {
         binding.bind_input(self.text_embeds.name.as_str(), &place.resident(pooled).map_err(err)?).map_err(err)?;
         binding.bind_input(self.time_ids.name.as_str(), &place.resident(time_ids).map_err(err)?).map_err(err)?;
         if device_steps {
-            return self.steps_on_device(&mut session, &mut binding, step_graph, run, &place, &options, latents, on_step);
+            return self.steps_on_device(&mut session, &mut binding, (step_graph, batch), run, &place, &options, latents, on_step);
         }
 
         // The noise prediction comes back to host memory for the step.
@@ -277,13 +326,14 @@ impl Unet {
     }
 
     /// The loop with the latents resident on the device: each UNet call's output feeds the step
-    /// graph, whose outputs are the next call's sample and the new latents.
+    /// graph (`graph`, for a UNet batch of `batch`), whose outputs are the next call's sample and
+    /// the new latents.
     #[allow(clippy::too_many_arguments)]
     fn steps_on_device<'o>(
         &self,
         session: &mut Session,
         binding: &mut IoBinding,
-        graph: &ModelSession,
+        (graph, batch): (&ModelSession, usize),
         run: &Denoise<'_>,
         place: &Place,
         options: &dyn Fn(bool) -> &'o RunOptions,
@@ -292,7 +342,6 @@ impl Unet {
     ) -> Result<(), RenderError> {
         let err = run.runs.err(Stage::Unet);
         let n = run.latent_shape[0];
-        let batch = self.batch_of(graph, n);
         let device = place.memory().map_err(err)?;
         let mut sample = place.resident(self.first_sample(run, batch, latents)?).map_err(err)?.into_dyn();
         let mut current = resident_latents(run, place, latents)?;
@@ -331,7 +380,7 @@ impl Unet {
         &self,
         session: &mut Session,
         buffers: &mut GraphBuffers,
-        graph: &ModelSession,
+        (graph, batch): (&ModelSession, usize),
         run: &Denoise<'_>,
         place: &Place,
         conditioning: &[DynTensor; 3],
@@ -340,7 +389,6 @@ impl Unet {
     ) -> Result<(), RenderError> {
         let err = run.runs.err(Stage::Unet);
         let n = run.latent_shape[0];
-        let batch = self.batch_of(graph, n);
         let [ehs, pooled, time_ids] = conditioning;
         ehs.copy_into(&mut buffers.encoder_hidden_states).map_err(err)?;
         pooled.copy_into(&mut buffers.text_embeds).map_err(err)?;
@@ -400,11 +448,6 @@ impl Unet {
         step_binding.bind_input("params", &params).map_err(err)?;
         step_binding.bind_output_to_device("latents_next", device).map_err(err)?;
         step_session.run_binding(step_binding).map_err(err)
-    }
-
-    /// The UNet batch for `n` images: doubled when `graph` is the guided step.
-    fn batch_of(&self, graph: &ModelSession, n: usize) -> usize {
-        if std::ptr::eq(graph, &self.steps.guided) { 2 * n } else { n }
     }
 
     /// The first call's sample: the latents scaled for step 0, once per guidance half.

@@ -48,7 +48,7 @@ pub struct CheckedShape {
     /// arenas right after loading, short of `observed_mib`, is memory outside the arenas. The
     /// VAE's has given its regions back after each decode unless `[budget] vae_keeps_arena`, so
     /// it shows the weights alone. Graphs whose arena gives no counters are left out.
-    pub arenas_mib: std::collections::BTreeMap<&'static str, f64>,
+    pub arenas_mib: std::collections::BTreeMap<String, f64>,
 }
 
 /// Parses `512x512x1,1536x1536x4`: width x height x images, each size a multiple of 8 (the

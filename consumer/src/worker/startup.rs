@@ -199,6 +199,7 @@ fn pipeline_options(config: &WorkerConfig, before: &GpuSnapshot) -> PipelineOpti
         text_encoders_on_cpu,
         // One per render slot: every render, probe and shrink runs on these (worker/run_thread.rs).
         run_threads: config.concurrency,
+        unet_sessions: config.unet_sessions,
         ..PipelineOptions::default()
     }
 }
