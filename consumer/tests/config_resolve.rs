@@ -81,6 +81,12 @@ fn bad_settings_are_named() {
     assert!(e.contains("--metrics-addr"), "{e}");
     let e = error(&cpu("concurrency = 0", ""), &with_model, Overrides::default());
     assert!(e.contains("concurrency: 0 is outside 1..=64"), "{e}");
+    let e = error(&cpu("unet_sessions = 2", ""), &with_model, Overrides::default());
+    assert!(e.contains("unet_sessions: 2 is outside 1..=concurrency (1)"), "{e}");
+    let e = error(&cpu("concurrency = 2\nunet_sessions = 0", ""), &with_model, Overrides::default());
+    assert!(e.contains("unet_sessions: 0 is outside 1..=concurrency (2)"), "{e}");
+    let e = error(&cpu("", "[cuda.unet]\nattention = \"fastest\""), &with_model, Overrides::default());
+    assert!(e.contains("unknown variant `fastest`") && e.contains("`flash`"), "{e}");
     let e = error(&cpu("grace_period = \"soon\"", ""), &with_model, Overrides::default());
     assert!(e.contains("grace_period") && e.contains("\"soon\", expected a duration"), "{e}");
     let e = error("device = \"cuda\"\n[budget.simulate]\ntotal_mib = 1\n", &with_model, Overrides::default());

@@ -191,7 +191,9 @@ SPEED_CALIBRATION=512x512x1,768x768x1,1024x1024x1,1024x1024x2
 BUDGET_CALIBRATION=${BUDGET_CALIBRATION:-512x512x1,640x768x1,768x768x1,768x768x4,896x1152x1,1152x896x1,1024x1024x1,1024x1024x2,1280x1280x1,1536x1536x1,1536x1536x2}
 # fuse_conv_bias is left out: with it a worker died of an illegal memory access on the first
 # budget lease (2026-11-30, 13:22) once shapes changed; it was measured at one fixed shape only.
-TUNED=$'[cuda.unet]\nconv_algo_search = "heuristic"'
+# UNET_TUNING: more [cuda.unet] keys for every run of the call, e.g. `attention = "flash"` once
+# `lease.sh tune` has timed ONNX Runtime's attention kernels (its `opt:sdpa_kernel=N` variants).
+TUNED=$'[cuda.unet]\nconv_algo_search = "heuristic"'${UNET_TUNING:+$'\n'"$UNET_TUNING"}
 # The VAE's cuDNN search capped at 32 MiB of workspace. First renders of new shapes peak over the
 # estimate (+39% to +61% at 1152x896); capping the VAE alone changed no peak (fourth lease), so
 # WS_CAPPED caps the UNet's too: it continues TUNED's [cuda.unet] table.

@@ -42,6 +42,17 @@ fn line_of(log: &str, needle: &str) -> Option<usize> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_jobs_with_different_loras_in_flight_each_render_with_their_own() {
+    two_sets_in_flight(1).await;
+}
+
+/// As above with a UNet session per slot (`unet_sessions = 2`): the two renders bind their sets
+/// on two sessions at once, each set allocated through the first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_jobs_with_different_loras_on_two_unet_sessions_each_render_with_their_own() {
+    two_sets_in_flight(2).await;
+}
+
+async fn two_sets_in_flight(unet_sessions: usize) {
     let (server, js, store) = setup().await;
     let shots = [
         shot(Priority::P1, with_loras(job("mei-1", "acme", (128, 96), 6, 2), &[("mei.v2", 1.0)])),
@@ -51,12 +62,15 @@ async fn two_jobs_with_different_loras_in_flight_each_render_with_their_own() {
     submit(&js, &shots).await;
     let mut spec = WorkerSpec::new("two-sets", store.path());
     spec.concurrency = 2;
+    spec.top = format!("unet_sessions = {unet_sessions}");
     let worker = Worker::start(&server.url(), spec);
     let results = results(&outcomes(&js, &shots, Duration::from_secs(120)).await);
     wait_settled(&js, Duration::from_secs(20)).await;
 
     // They were in flight together: both sets were on the device before either job was done.
     let log = worker.plain_log();
+    let loaded = log.lines().find(|l| l.contains("models loaded")).expect("the load's line");
+    assert!(loaded.contains(&format!("unet_sessions={unet_sessions}")), "{loaded}");
     let placed: Vec<usize> = log.lines().enumerate().filter(|(_, l)| l.contains("LoRA set on the device")).map(|(i, _)| i).collect();
     let first_done = line_of(&log, "job done").expect("a job done");
     assert_eq!(placed.len(), 2, "{log}");

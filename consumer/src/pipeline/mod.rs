@@ -413,6 +413,8 @@ pub struct ModelInfo {
     pub text_encoders_on_cpu: bool,
     /// The UNet's linear weights packed into a few bits (`onnx/quantize_unet.py`), if they are.
     pub unet_packed: Option<PackedWeights>,
+    /// Sessions of the UNet loaded ([`PipelineOptions::unet_sessions`], held to the run threads).
+    pub unet_sessions: usize,
     pub latent_channels: usize,
     /// Pixels per latent element along a side (8 for SDXL).
     pub vae_scale_factor: u32,
@@ -555,6 +557,7 @@ impl Pipeline {
             vae_dtype: ModelDtype::of(vae.elem()),
             text_encoders_on_cpu: options.text_encoders_on_cpu,
             unet_packed: config.unet_packed,
+            unet_sessions: unet.lanes(),
             latent_channels,
             vae_scale_factor: config.vae_scale_factor,
             side_multiple: config.vae_scale_factor * config.unet_side_multiple,

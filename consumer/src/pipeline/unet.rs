@@ -189,7 +189,7 @@ impl Unet {
         let want_dim = self.encoder_hidden_states.dims[2];
         let want_pooled = self.text_embeds.dims[1];
         if (want_dim >= 0 && want_dim as usize != embeds.dim) || (want_pooled >= 0 && want_pooled as usize != embeds.pooled.len()) {
-            return Err(self.lanes[0].session.graph_err(format!(
+            return Err(self.session().graph_err(format!(
                 "expects encoder_hidden_states [.., .., {want_dim}] and text_embeds [.., {want_pooled}], but the text encoders give {} and {}",
                 embeds.dim,
                 embeds.pooled.len()

@@ -55,6 +55,7 @@ pub async fn prepare(config: &WorkerConfig) -> Result<Ready, WorkerError> {
         device = %after.device,
         resident_mib = resident / budget::MIB,
         unet = ?loaded.dtype,
+        unet_sessions = loaded.unet_sessions,
         unet_weights = %loaded.unet_packed.map_or_else(|| "as the graph's type".to_string(), |p| p.to_string()),
         vae_decoder = ?loaded.vae_dtype,
         text_encoders_on_cpu = loaded.text_encoders_on_cpu,
