@@ -147,7 +147,7 @@ impl Live {
                 let notes: String = result.notes.iter().map(|note| format!(" · {note}")).collect();
                 format!("done: {} image(s) in {:.1}s{notes}", result.images.len(), result.timing.render_ms as f64 / 1000.0)
             }
-            Outcome::Failed { reason, detail, .. } => format!("{reason}: {detail}"),
+            Outcome::Failed { .. } => outcome.failure_line().unwrap_or_default(),
         };
         self.line(job, &text, true);
         self.draw_waiting();

@@ -646,9 +646,9 @@ fn print_table(
                 cancelled += 1;
                 ("cancelled", "-".into(), "-".into(), detail.clone())
             }
-            Some(Outcome::Failed { reason, detail, .. }) => {
+            Some(outcome @ Outcome::Failed { .. }) => {
                 failed += 1;
-                ("failed", "-".into(), "-".into(), format!("{reason}: {detail}"))
+                ("failed", "-".into(), "-".into(), outcome.failure_line().unwrap_or_default())
             }
             None => {
                 waiting += 1;
