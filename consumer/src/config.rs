@@ -199,7 +199,7 @@ pub struct WorkerConfig {
     /// Jobs rendered at the same time (each in its own UNet batches); as many more may be
     /// uploading and committing, their renders done.
     pub concurrency: usize,
-    /// Sessions of the UNet, 1..=`concurrency`. With one (the default) the render slots take
+    /// Sessions of the UNet, 1 or `concurrency`. With one (the default) the render slots take
     /// turns on it, a whole schedule at a time, and the card idles in each call's gaps between
     /// kernels; with one per slot their UNet calls run at once and fill each other's gaps, for
     /// the UNet's weights once more on the card per session (5 GiB for SDXL in float16), which
@@ -436,10 +436,15 @@ impl WorkerConfig {
         if self.concurrency == 0 || self.concurrency > 64 {
             return Err(bad("concurrency", format!("{} is outside 1..=64", self.concurrency)));
         }
-        if self.unet_sessions == 0 || self.unet_sessions > self.concurrency {
+        // A render thread keeps its session; with fewer sessions than threads, two renders may
+        // share one while another sits idle.
+        if self.unet_sessions != 1 && self.unet_sessions != self.concurrency {
             return Err(bad(
                 "unet_sessions",
-                format!("{} is outside 1..=concurrency ({}): a session no render slot takes only holds memory", self.unet_sessions, self.concurrency),
+                format!(
+                    "{} is neither 1 (the render slots take turns on one session) nor `concurrency` ({}, a session per slot)",
+                    self.unet_sessions, self.concurrency
+                ),
             ));
         }
         if self.batch_jobs == 0 || self.batch_jobs > 64 {

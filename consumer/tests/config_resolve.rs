@@ -82,9 +82,11 @@ fn bad_settings_are_named() {
     let e = error(&cpu("concurrency = 0", ""), &with_model, Overrides::default());
     assert!(e.contains("concurrency: 0 is outside 1..=64"), "{e}");
     let e = error(&cpu("unet_sessions = 2", ""), &with_model, Overrides::default());
-    assert!(e.contains("unet_sessions: 2 is outside 1..=concurrency (1)"), "{e}");
+    assert!(e.contains("unet_sessions: 2 is neither 1") && e.contains("`concurrency` (1, a session per slot)"), "{e}");
+    let e = error(&cpu("concurrency = 3\nunet_sessions = 2", ""), &with_model, Overrides::default());
+    assert!(e.contains("unet_sessions: 2 is neither 1") && e.contains("(3, a session per slot)"), "{e}");
     let e = error(&cpu("concurrency = 2\nunet_sessions = 0", ""), &with_model, Overrides::default());
-    assert!(e.contains("unet_sessions: 0 is outside 1..=concurrency (2)"), "{e}");
+    assert!(e.contains("unet_sessions: 0 is neither 1"), "{e}");
     let e = error(&cpu("", "[cuda.unet]\nattention = \"fastest\""), &with_model, Overrides::default());
     assert!(e.contains("unknown variant `fastest`") && e.contains("`flash`"), "{e}");
     let e = error(&cpu("grace_period = \"soon\"", ""), &with_model, Overrides::default());

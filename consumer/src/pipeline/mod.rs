@@ -255,7 +255,7 @@ impl PipelineOptions {
         }
     }
 
-    /// Whether the UNet's session captures CUDA graphs (`[cuda.unet] graph`).
+    /// Whether the UNet's sessions capture CUDA graphs (`[cuda.unet] graph`).
     fn captures_graphs(&self) -> bool {
         matches!(self.device, Device::Cuda { cuda, .. } if cuda.unet.graph)
     }
@@ -467,7 +467,8 @@ pub struct Trace {
 }
 
 /// A loaded model, ready to render. Sessions are created once and reused; renders through one
-/// pipeline take turns graph by graph.
+/// pipeline take turns graph by graph, but for the UNet where it has a session per run thread
+/// ([`PipelineOptions::unet_sessions`]).
 pub struct Pipeline {
     config: FolderConfig,
     text: TextEncoders,
@@ -475,7 +476,9 @@ pub struct Pipeline {
     unet: Unet,
     vae: VaeDecoder,
     info: ModelInfo,
-    shrink_next: AtomicBool,
+    /// [`Pipeline::request_arena_shrink`]'s flag, one per UNet lane: each lane's next render
+    /// gives its own arena back.
+    shrink_next: Vec<AtomicBool>,
     /// What [`Pipeline::reload`] loads again.
     model_dir: PathBuf,
     options: PipelineOptions,
@@ -551,13 +554,14 @@ impl Pipeline {
             (Some(c), _) | (None, Some(c)) => c,
             (None, None) => 4,
         };
+        let unet_sessions = unet.lanes();
         let info = ModelInfo {
             name: config.name.clone(),
             dtype: ModelDtype::of(unet.sample_elem()),
             vae_dtype: ModelDtype::of(vae.elem()),
             text_encoders_on_cpu: options.text_encoders_on_cpu,
             unet_packed: config.unet_packed,
-            unet_sessions: unet.lanes(),
+            unet_sessions,
             latent_channels,
             vae_scale_factor: config.vae_scale_factor,
             side_multiple: config.vae_scale_factor * config.unet_side_multiple,
@@ -571,7 +575,7 @@ impl Pipeline {
             unet,
             vae,
             info,
-            shrink_next: AtomicBool::new(false),
+            shrink_next: (0..unet_sessions).map(|_| AtomicBool::new(false)).collect(),
             model_dir: model_dir.to_path_buf(),
             options: options.clone(),
             lora_maps,
@@ -646,11 +650,20 @@ impl Pipeline {
         &self.info
     }
 
+    /// The UNet lane the calling thread renders on: its index in the run threads (any other
+    /// thread takes the first).
+    fn lane(&self) -> usize {
+        self.run_threads.current_thread_index().unwrap_or(0) % self.shrink_next.len()
+    }
+
     /// Asks ONNX Runtime to give the arena's free chunks back to the device at the end of the next
-    /// render's last UNet and VAE runs (run option `memory.enable_memory_arena_shrinkage`). Call
-    /// it after an unusually large job.
+    /// render's last UNet and VAE runs (run option `memory.enable_memory_arena_shrinkage`), on
+    /// every UNet lane: each lane's next render gives its arena back. Call it after an unusually
+    /// large job.
     pub fn request_arena_shrink(&self) {
-        self.shrink_next.store(true, Ordering::Relaxed);
+        for lane in &self.shrink_next {
+            lane.store(true, Ordering::Relaxed);
+        }
     }
 
     /// Gives the free regions of every graph's arena back now: after an out-of-memory error a
@@ -669,13 +682,15 @@ impl Pipeline {
     /// # Errors
     /// As [`Pipeline::render`].
     ///
-    /// With more than one UNet lane ([`PipelineOptions::unet_sessions`]) every run thread renders
-    /// one, each on its own lane, so every lane's arena is given back; it returns once all have,
-    /// after the renders those threads are running now.
+    /// The tiny renders run on the run threads and the caller waits for them, so call it from
+    /// outside them (a run thread waiting here could take up other work meanwhile). With more than
+    /// one UNet lane ([`PipelineOptions::unet_sessions`]) every run thread renders one, each on
+    /// its own lane, so every lane's arena is given back; it returns once all have, after the
+    /// renders those threads are running now.
     pub fn shrink_arenas(&self) -> Result<(), RenderError> {
         let decode = if self.vae.holds_only_weights() { Decode::Skip } else { Decode::Images };
         if self.unet.lanes() == 1 {
-            return self.tiny_render(decode);
+            return self.run_threads.install(|| self.tiny_render(decode));
         }
         self.run_threads.broadcast(|_| self.tiny_render(decode)).into_iter().collect()
     }
@@ -866,7 +881,7 @@ impl Pipeline {
         let mut timings = StageTimings::default();
         // `Requested`: shrink at the end if `request_arena_shrink` asked since the last render.
         let shrink = match shrink {
-            Shrink::Requested if self.shrink_next.swap(false, Ordering::Relaxed) => Shrink::AtEnd,
+            Shrink::Requested if self.shrink_next[self.lane()].swap(false, Ordering::Relaxed) => Shrink::AtEnd,
             Shrink::Requested => Shrink::Never,
             other => other,
         };
@@ -931,6 +946,7 @@ impl Pipeline {
                 shrink_arena: shrink != Shrink::Never,
                 host_steps: trace.is_some(),
                 overrides: loras.map_or(&[], |set| set.part(shotfleet_schema::lora::Part::Unet)),
+                lane: self.lane(),
             };
             let cond = Conditioning {
                 positive: chunk.iter().map(|&(r, _)| &conditions[r].0).collect(),

@@ -306,6 +306,11 @@ impl ModelSession {
         arena_stats(&self.lock(), device)
     }
 
+    /// Whether no run holds the session now (a poisoned lock counts as free, as `lock` takes it).
+    pub(crate) fn is_idle(&self) -> bool {
+        !matches!(self.session.try_lock(), Err(std::sync::TryLockError::WouldBlock))
+    }
+
     pub(crate) fn lock(&self) -> MutexGuard<'_, Session> {
         // A panic inside ONNX Runtime's run leaves nothing half-written on our side.
         self.session.lock().unwrap_or_else(|p| p.into_inner())

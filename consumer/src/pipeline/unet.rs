@@ -89,6 +89,8 @@ pub(crate) struct Denoise<'a> {
     pub host_steps: bool,
     /// LoRA-merged weights, bound by initializer name for this sub-batch's calls only.
     pub overrides: &'a [(String, DynTensor)],
+    /// The lane this render runs on ([`Unet::lane`]): its run thread's.
+    pub lane: usize,
 }
 
 impl Lane {
@@ -131,7 +133,9 @@ impl Unet {
         let count = options.unet_sessions.clamp(1, options.run_threads.max(1));
         let lanes = std::thread::scope(|scope| {
             let loading: Vec<_> = (0..count).map(|_| scope.spawn(|| Lane::load(env, &path, options))).collect();
-            loading.into_iter().map(|l| l.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic))).collect::<Result<Vec<_>, _>>()
+            // Every load ends before one's error or panic is given: none is left running.
+            let ended: Vec<_> = loading.into_iter().map(|l| l.join()).collect();
+            ended.into_iter().map(|l| l.unwrap_or_else(|panic| std::panic::resume_unwind(panic))).collect::<Result<Vec<_>, _>>()
         })?;
         let session = &lanes[0].session;
         let sample = session.require_input("sample", Some(4), true)?.clone();
@@ -156,11 +160,11 @@ impl Unet {
         Ok(Unet { lanes, sample, timestep, encoder_hidden_states, text_embeds, time_ids, output, latent_channels, graphs_captured })
     }
 
-    /// The calling thread's lane: run thread `i` of the pipeline's pool always takes lane
-    /// `i % lanes` (so with a lane per slot, two renders in flight never share one), any other
-    /// thread the first.
-    fn lane(&self) -> &Lane {
-        &self.lanes[rayon::current_thread_index().unwrap_or(0) % self.lanes.len()]
+    /// Lane `i % lanes`: run thread `i` of the pipeline's pool always takes the same one (so with
+    /// a lane per slot, two renders in flight never share one), any other thread the first
+    /// (`Pipeline::lane`).
+    fn lane(&self, i: usize) -> &Lane {
+        &self.lanes[i % self.lanes.len()]
     }
 
     /// How many sessions of the graph are loaded.
@@ -173,10 +177,16 @@ impl Unet {
         self.lanes.iter().map(|lane| &lane.session)
     }
 
-    /// The first lane's session: LoRA sets are allocated through it and every lane binds them
-    /// (they are device memory of the one card).
+    /// The first lane's session.
     pub(crate) fn session(&self) -> &ModelSession {
         &self.lanes[0].session
+    }
+
+    /// A lane's session no render holds now, else the first: what LoRA sets are allocated
+    /// through, so that placing one does not wait for a schedule on another lane to end. Every
+    /// lane binds every set: they are device memory of the one card.
+    pub(crate) fn idle_session(&self) -> &ModelSession {
+        self.sessions().find(|s| s.is_idle()).unwrap_or_else(|| self.session())
     }
 
     pub(crate) fn sample_elem(&self) -> super::session::Elem {
@@ -215,7 +225,7 @@ impl Unet {
         let batch = if guided { 2 * n } else { n };
         let per_image = c * h * w;
 
-        let lane = self.lane();
+        let lane = self.lane(run.lane);
         let mut session = lane.session.lock();
         let place = Place::of(run.device);
 

@@ -66,7 +66,14 @@ pub(crate) async fn calibrate(
                     probe_ms = ms(started.elapsed()),
                     "probe render"
                 );
-                calibration.measured(shape, render.peak);
+                // With a UNet session per slot a lane's first render of a size can be a job's:
+                // the priming render ran on one lane, so each size is planned at what a first
+                // render needed where that is more.
+                let planned = match first {
+                    Some(first) if pipeline.info().unet_sessions > 1 => render.peak.max(first.peak),
+                    _ => render.peak,
+                };
+                calibration.measured(shape, planned);
             }
             Err(error) if classify_render(&error) == ErrorKind::Oom => {
                 warn!(width = w, height = h, images = n, room_mib = room / budget::MIB, error = %error, "probe ran out of memory: this card's ceiling for the shape");
@@ -92,7 +99,8 @@ pub(crate) async fn calibrate(
 
 /// One probe, measured on its shape's second render where probes start from shrunk arenas.
 ///
-/// A job of a size the fleet probed is never its size's first render, and a first render can
+/// A job of a size the fleet probed is never its size's first render (on the priming render's
+/// UNet lane: with a session per slot, see the planning above), and a first render can
 /// need more: on the H200 (2026-12-02, deploy/gpu/RESULTS.md) two probes of eleven needed 7%
 /// more on their first render than on their second, the others the same. So a one-step render
 /// primes the shape (an out-of-memory there is the probe's own) and the second is measured.

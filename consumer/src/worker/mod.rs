@@ -691,8 +691,7 @@ async fn another_signal() {
 /// reads the card afresh.
 pub(crate) async fn shrink_arenas(shared: &Arc<Shared>) {
     let pipeline = shared.pipeline();
-    let runs = pipeline.clone();
-    match run_thread::on_run_thread(&runs, move || pipeline.shrink_arenas()).await {
+    match run_thread::waiting_on_run_threads(move || pipeline.shrink_arenas()).await {
         Ok(Ok(())) => {}
         Ok(Err(e)) => warn!(error = %e, "arena shrink failed"),
         Err(e) => warn!(error = %e, "arena shrink task failed"),

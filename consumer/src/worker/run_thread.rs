@@ -28,6 +28,17 @@ pub(crate) async fn on_run_thread<T: Send + 'static>(pipeline: &Pipeline, work: 
     }
 }
 
+/// Runs `work`, which waits for graph runs it hands to the run threads itself
+/// ([`Pipeline::shrink_arenas`]), on tokio's blocking pool: the waiting happens there, out of the
+/// run threads' way, and the runs on them. A panic in `work` comes back as the error.
+pub(crate) async fn waiting_on_run_threads<T: Send + 'static>(work: impl FnOnce() -> T + Send + 'static) -> Result<T, String> {
+    match tokio::task::spawn_blocking(move || catch_unwind(AssertUnwindSafe(work))).await {
+        Ok(Ok(value)) => Ok(value),
+        Ok(Err(panic)) => Err(panic_message(panic.as_ref())),
+        Err(e) => Err(format!("the waiting task ended before the work did: {e}")),
+    }
+}
+
 fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
     let text = panic.downcast_ref::<&str>().copied().or_else(|| panic.downcast_ref::<String>().map(String::as_str));
     format!("panicked: {}", text.unwrap_or("(no message)"))

@@ -12,7 +12,7 @@ use tracing::info;
 use crate::budget::{self, Budget, Calibration, ClassReport, FingerprintKey, FingerprintStore, GpuProbe, GpuSnapshot, PeakMeter, Shape};
 use crate::config::{DeviceKind, WorkerConfig};
 use crate::pipeline::{Device, Pipeline, PipelineOptions, RenderError, RenderRequest};
-use crate::worker::run_thread::on_run_thread;
+use crate::worker::run_thread::{on_run_thread, waiting_on_run_threads};
 use crate::worker::{WorkerError, calibrate};
 
 /// The models and the budget, ready to serve.
@@ -221,8 +221,7 @@ pub(crate) async fn measure(pipeline: &Arc<Pipeline>, meter: &Arc<PeakMeter>, sh
 /// `Pipeline::shrink_arenas`).
 pub(crate) async fn shrink(pipeline: &Arc<Pipeline>) -> Result<(), WorkerError> {
     let pipeline = pipeline.clone();
-    let runs = pipeline.clone();
-    on_run_thread(&runs, move || pipeline.shrink_arenas())
+    waiting_on_run_threads(move || pipeline.shrink_arenas())
         .await
         .map_err(|e| WorkerError::start("run the arena shrink", e))?
         .map_err(|e| WorkerError::start("shrink the arenas around a probe", e))

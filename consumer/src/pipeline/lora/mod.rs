@@ -87,7 +87,7 @@ impl Pipeline {
     /// [`LoraError::Device`] when ONNX Runtime cannot allocate or copy it.
     pub fn place_loras(&self, set: &MergedSet) -> Result<ResidentSet, LoraError> {
         ResidentSet::place(set, self.instance, |part| match part {
-            Part::Unet => self.unet.session(),
+            Part::Unet => self.unet.idle_session(),
             Part::TextEncoder => self.text.sessions()[0],
             Part::TextEncoder2 => self.text.sessions()[1],
         })
