@@ -12,7 +12,7 @@
 //! classes = ["xs", "s", "m"]       # the classes this card serves at most, or "auto": what it holds
 //! concurrency = 1                  # jobs rendered at once
 //! batch_jobs = 4                   # compatible jobs rendered together in shared UNet batches
-//! unet_sessions = 2                # a UNet session per render slot: their UNet calls overlap (weights twice)
+//! unet_sessions = 2                # 1, or a UNet session per slot (weights again each); default "auto"
 //! lookahead = 12                   # jobs fetched ahead to find them on a mixed queue (default 3 x batch_jobs)
 //! affinity_passes = 2              # times a job may be passed over for one like the last render's
 //! grace_period = "60s"
@@ -96,6 +96,58 @@ impl TextEncoderPlace {
             (TextEncoderPlace::Cpu, DeviceKind::Cuda) => true,
             (TextEncoderPlace::Auto, DeviceKind::Cuda) => room < Self::AUTO_CPU_BELOW_MIB * 1024 * 1024,
         }
+    }
+}
+
+/// How many sessions of the UNet a worker loads (`unet_sessions`): `"auto"`, 1, or `concurrency`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum UnetSessions {
+    /// One per render slot on a GPU worker whose room on its card (as for
+    /// [`TextEncoderPlace::Auto`]) is at least [`UnetSessions::AUTO_PER_SLOT_FROM_MIB`], else one.
+    #[default]
+    Auto,
+    Count(usize),
+}
+
+impl UnetSessions {
+    /// The room from which `"auto"` gives each slot a session: each costs the UNet's weights
+    /// again (5.7 GiB for SDXL in float16 on an H100, with its run thread's share), a seventh of
+    /// this, for +5-8% images/s in steady state (deploy/gpu/RESULTS.md, 2026-12-06, fourth
+    /// session). An 80 GiB card has ~65 GiB of room; a 48 GiB card ~38, which keeps one.
+    pub const AUTO_PER_SLOT_FROM_MIB: u64 = 40 * 1024;
+
+    /// The sessions to load for `concurrency` slots on `device` with `room` bytes.
+    pub fn count(self, device: DeviceKind, concurrency: usize, room: u64) -> usize {
+        match (self, device) {
+            (UnetSessions::Count(n), _) => n,
+            (UnetSessions::Auto, DeviceKind::Cuda) if room >= Self::AUTO_PER_SLOT_FROM_MIB * 1024 * 1024 => concurrency,
+            (UnetSessions::Auto, _) => 1,
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for UnetSessions {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Visitor;
+        impl serde::de::Visitor<'_> for Visitor {
+            type Value = UnetSessions;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("\"auto\" or a number of sessions (1, or `concurrency`)")
+            }
+            fn visit_u64<E: serde::de::Error>(self, n: u64) -> Result<UnetSessions, E> {
+                usize::try_from(n).map(UnetSessions::Count).map_err(|_| E::custom(format!("{n} sessions do not fit this platform")))
+            }
+            fn visit_i64<E: serde::de::Error>(self, n: i64) -> Result<UnetSessions, E> {
+                u64::try_from(n).map_err(|_| E::invalid_value(serde::de::Unexpected::Signed(n), &self)).and_then(|n| self.visit_u64(n))
+            }
+            fn visit_str<E: serde::de::Error>(self, word: &str) -> Result<UnetSessions, E> {
+                match word {
+                    "auto" => Ok(UnetSessions::Auto),
+                    other => Err(E::invalid_value(serde::de::Unexpected::Str(other), &self)),
+                }
+            }
+        }
+        deserializer.deserialize_any(Visitor)
     }
 }
 
@@ -199,12 +251,13 @@ pub struct WorkerConfig {
     /// Jobs rendered at the same time (each in its own UNet batches); as many more may be
     /// uploading and committing, their renders done.
     pub concurrency: usize,
-    /// Sessions of the UNet, 1 or `concurrency`. With one (the default) the render slots take
-    /// turns on it, a whole schedule at a time, and the card idles in each call's gaps between
-    /// kernels; with one per slot their UNet calls run at once and fill each other's gaps, for
-    /// the UNet's weights once more on the card per session (5 GiB for SDXL in float16), which
-    /// the budget counts with the models. deploy/gpu/RESULTS.md has what it gave.
-    pub unet_sessions: usize,
+    /// Sessions of the UNet: `"auto"` (the default: one per slot on a card with room for it,
+    /// [`UnetSessions::Auto`]), 1 or `concurrency`. With one the render slots take turns on it,
+    /// a whole schedule at a time, and the card idles in each call's gaps between kernels; with
+    /// one per slot their UNet calls run at once and fill each other's gaps, for the UNet's
+    /// weights once more on the card per session (5 GiB for SDXL in float16), which the budget
+    /// counts with the models. deploy/gpu/RESULTS.md has what it gave.
+    pub unet_sessions: UnetSessions,
     /// Up to this many compatible jobs (same size, steps, guidance, LoRA set) dealt to one slot
     /// are rendered in shared UNet batches, when the budget holds all their images. 1: off.
     pub batch_jobs: usize,
@@ -276,7 +329,7 @@ impl Default for WorkerConfig {
             model: PathBuf::new(),
             classes: Classes::default(),
             concurrency: 1,
-            unet_sessions: 1,
+            unet_sessions: UnetSessions::Auto,
             batch_jobs: 1,
             lookahead: None,
             affinity_passes: 2,
@@ -438,12 +491,15 @@ impl WorkerConfig {
         }
         // A render thread keeps its session; with fewer sessions than threads, two renders may
         // share one while another sits idle.
-        if self.unet_sessions != 1 && self.unet_sessions != self.concurrency {
+        if let UnetSessions::Count(n) = self.unet_sessions
+            && n != 1
+            && n != self.concurrency
+        {
             return Err(bad(
                 "unet_sessions",
                 format!(
-                    "{} is neither 1 (the render slots take turns on one session) nor `concurrency` ({}, a session per slot)",
-                    self.unet_sessions, self.concurrency
+                    "{n} is neither 1 (the render slots take turns on one session), `concurrency` ({}, a session per slot) nor \"auto\"",
+                    self.concurrency
                 ),
             ));
         }
@@ -595,5 +651,22 @@ mod tests {
         let parsed: WorkerConfig = toml::from_str("text_encoders = \"cpu\"").unwrap();
         assert_eq!(parsed.text_encoders, TextEncoderPlace::Cpu);
         assert!(toml::from_str::<WorkerConfig>("text_encoders = \"gpu\"").is_err());
+    }
+
+    #[test]
+    fn unet_sessions_go_one_per_slot_only_on_a_roomy_card_unless_told() {
+        const GIB: u64 = 1024 * 1024 * 1024;
+        let auto = UnetSessions::Auto;
+        // An 80 GiB card leaves ~65 GiB of room, a 48 GiB one ~38.
+        assert_eq!(auto.count(DeviceKind::Cuda, 2, 65 * GIB), 2);
+        assert_eq!(auto.count(DeviceKind::Cuda, 3, 65 * GIB), 3);
+        assert_eq!(auto.count(DeviceKind::Cuda, 2, 38 * GIB), 1);
+        assert_eq!(auto.count(DeviceKind::Cpu, 2, 65 * GIB), 1, "a CPU worker keeps one");
+        assert_eq!(UnetSessions::Count(1).count(DeviceKind::Cuda, 2, 65 * GIB), 1);
+        assert_eq!(UnetSessions::Count(2).count(DeviceKind::Cuda, 2, GIB), 2, "told: as told");
+        let parsed = |text: &str| toml::from_str::<WorkerConfig>(text).map(|c| c.unet_sessions);
+        assert_eq!(parsed("").unwrap(), UnetSessions::Auto);
+        assert_eq!(parsed("unet_sessions = \"auto\"").unwrap(), UnetSessions::Auto);
+        assert_eq!(parsed("unet_sessions = 2").unwrap(), UnetSessions::Count(2));
     }
 }

@@ -87,6 +87,10 @@ fn bad_settings_are_named() {
     assert!(e.contains("unet_sessions: 2 is neither 1") && e.contains("(3, a session per slot)"), "{e}");
     let e = error(&cpu("concurrency = 2\nunet_sessions = 0", ""), &with_model, Overrides::default());
     assert!(e.contains("unet_sessions: 0 is neither 1"), "{e}");
+    for bad in ["\"many\"", "-2", "1.5"] {
+        let e = error(&cpu(&format!("unet_sessions = {bad}"), ""), &with_model, Overrides::default());
+        assert!(e.contains("unet_sessions") && e.contains("expected \"auto\" or a number of sessions"), "{bad}: {e}");
+    }
     let e = error(&cpu("", "[cuda.unet]\nattention = \"fastest\""), &with_model, Overrides::default());
     assert!(e.contains("unknown variant `fastest`") && e.contains("`flash`"), "{e}");
     let e = error(&cpu("grace_period = \"soon\"", ""), &with_model, Overrides::default());

@@ -160,6 +160,9 @@ shapes_toml() {  # the same list as TOML: [[512, 512, 1], [768, 768, 1]] (sides 
 # SIM_OTHERS, set per run) and a degrade floor at the tiny model's scale.
 write_config() {
     local file=$1 top=$2 tables=$3
+    # A run that names no UNet sessions keeps one, the baseline of every lease's figures (the
+    # worker's default, "auto", gives a large card one per slot).
+    grep -q '^unet_sessions' <<< "$top" || top=${top:+$top$'\n'}"unet_sessions = 1"
     if [ "$DEVICE" = cpu ]; then
         tables=$(awk '/^\[cuda[].]/ {skip = 1; next} /^\[/ {skip = 0} !skip' <<< "$tables")
         # A run's own [budget] keys (e.g. vae_keeps_arena) join the dry run's in one table.

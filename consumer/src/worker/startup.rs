@@ -178,6 +178,10 @@ fn pipeline_options(config: &WorkerConfig, before: &GpuSnapshot) -> PipelineOpti
     let room = config.budget.arena_limit(before.clone());
     let share_limit = config.budget.max_mib.map(|_| room);
     let text_encoders_on_cpu = config.text_encoders.on_cpu(config.device, room);
+    let unet_sessions = config.unet_sessions.count(config.device, config.concurrency, room);
+    if unet_sessions > 1 {
+        info!(room_mib = room / budget::MIB, sessions = unet_sessions, setting = ?config.unet_sessions, "a UNet session per render slot");
+    }
     if text_encoders_on_cpu {
         info!(room_mib = room / budget::MIB, setting = ?config.text_encoders, "the text encoders run on the CPU");
     }
@@ -200,7 +204,7 @@ fn pipeline_options(config: &WorkerConfig, before: &GpuSnapshot) -> PipelineOpti
         text_encoders_on_cpu,
         // One per render slot: every render, probe and shrink runs on these (worker/run_thread.rs).
         run_threads: config.concurrency,
-        unet_sessions: config.unet_sessions,
+        unet_sessions,
         ..PipelineOptions::default()
     }
 }
