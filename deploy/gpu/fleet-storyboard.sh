@@ -25,6 +25,8 @@
 #   storyboard-unet2  as storyboard (a cold worker: a second UNet session changes what the card
 #                holds), with a UNet session per slot (`unet_sessions = 2`): the two slots' UNet
 #                calls at once instead of in turns (issue 17, point 2)
+#   storyboard-c3  as storyboard-unet2 with three slots and three sessions (the speed runs' best,
+#                c3-batch4-keep-unet3, on the 2026-12-06 fourth-session H100)
 #   storyboard-no-affinity  as storyboard-stored (the first run's state folder: its figures to
 #                read are steady-state ones), without affinity (`affinity_passes = 0`): each lead
 #                by arrival within its priority, not one like the last group dealt
@@ -57,6 +59,8 @@ stage_storyboard() {
     story_run storyboard-stored "the mixed storyboard from a cold worker with the first run's state folder" "$WORK/state-kept"
     story_run storyboard-unet2 "the mixed storyboard from a cold worker, a UNet session per slot (unet_sessions = 2)" \
         "" "" "unet_sessions = 2"
+    story_run storyboard-c3 "the mixed storyboard from a cold worker, three slots with a UNet session each" \
+        "" "" $'concurrency = 3\nunet_sessions = 3'
     story_run storyboard-vae-exhaustive "the mixed storyboard from a cold worker, the VAE on ONNX Runtime's exhaustive search" \
         "" $'\n\n[cuda.vae]\nconv_algo_search = "exhaustive"'
     story_run storyboard-no-affinity "the mixed storyboard from the first run's state folder without affinity (affinity_passes = 0)" \
@@ -66,9 +70,11 @@ stage_storyboard() {
 }
 
 # story_run NAME LABEL KEPT [TABLES] [TOP]: one storyboard run; KEPT, when set, the state folder
-# its worker starts with; TABLES, config tables after TUNED's; TOP, a top-level key more.
+# its worker starts with; TABLES, config tables after TUNED's; TOP, top-level keys more (one that
+# names `concurrency` replaces the runs' 2).
 story_run() {
-    local name=$1 label=$2 kept=$3 tables=${4:-} top=$'concurrency = 2\nbatch_jobs = 4'${5:+$'\n'$5} timeout
+    local name=$1 label=$2 kept=$3 tables=${4:-} top=$'batch_jobs = 4'${5:+$'\n'$5} timeout
+    grep -q '^concurrency' <<< "${5:-}" || top=$'concurrency = 2\n'"$top"
     wanted "$name" || return 0
     if [ "$(left)" -lt $((RUN_MIN_S + 60)) ]; then run_skip "$name" "$label" "$(left) s left"; return 0; fi
     if [ -n "$kept" ] && [ ! -d "$kept" ]; then run_skip "$name" "$label" "no stored calibration from a first run"; return 0; fi

@@ -28,6 +28,7 @@ FLEET_RUNS = (
     ("storyboard", "shotfleet (cold worker)"),
     ("storyboard_stored", "shotfleet (cold worker, stored calibration)"),
     ("storyboard_unet2", "shotfleet (cold worker, a UNet session per slot)"),
+    ("storyboard_c3", "shotfleet (cold worker, three slots, a UNet session each)"),
     ("storyboard_vae_heuristic", "shotfleet (cold worker, VAE heuristic search)"),  # against the exhaustive default, 2026-12-05
     ("storyboard_vae_exhaustive", "shotfleet (cold worker, VAE exhaustive search)"),
     ("storyboard_no_affinity", "shotfleet (stored calibration, no affinity)"),

@@ -77,6 +77,10 @@ pub async fn prepare(config: &WorkerConfig) -> Result<Ready, WorkerError> {
     if let Some(packed) = loaded.unet_packed {
         model_key.push_str(&format!(" (UNet weights {packed})"));
     }
+    if loaded.unet_sessions > 1 {
+        // Planned at a size's first render (calibrate.rs): other needs than one session's.
+        model_key.push_str(&format!(" ({} UNet sessions)", loaded.unet_sessions));
+    }
     if config.budget.cold_renders {
         // Its probes give the UNet's arena back before the decode, as its jobs do
         // (ProbeRuns): other needs than a worker that keeps its arenas.
