@@ -18,6 +18,8 @@
 #   c2-unet2, c2-batch4-keep-unet2  c2-tuned's first set, c2-batch4-keep, with a UNet session per
 #              slot (`unet_sessions = 2`): the slots' UNet calls at once instead of in turns
 #   c3-batch4-keep-unet3  c2-batch4-keep-unet2 at concurrency 3 with three sessions
+#   c3-batch8-keep-unet3  the same with batch_jobs 8: UNet batches of 16 with guidance, where the
+#              matrix work runs nearer its roof (the profile: 0.92 at batch 8 against 0.86 at 2)
 #   c1-graph   concurrency 1, the same [cuda.unet] plus graph = true; 16 x 1
 #   c1-batch4-graph  c2-batch4-keep at concurrency 1 (a captured graph needs it) with graph = true:
 #              the UNet's launch gaps (9% of a call, RESULTS.md's profile) closed by replaying a
@@ -258,6 +260,8 @@ stage_speed() {
         $'concurrency = 2\nbatch_jobs = 4\nunet_sessions = 2' "$TUNED"$'\n\n'"$VAE_KEEPS" "a:${SPEED_JOBS}x1"
     speed_run c3-batch4-keep-unet3 "c3 batch_jobs 4, VAE keeps its arena, a UNet session per slot" \
         $'concurrency = 3\nbatch_jobs = 4\nunet_sessions = 3' "$TUNED"$'\n\n'"$VAE_KEEPS" "a:${SPEED_JOBS}x1"
+    speed_run c3-batch8-keep-unet3 "c3 batch_jobs 8, VAE keeps its arena, a UNet session per slot" \
+        $'concurrency = 3\nbatch_jobs = 8\nunet_sessions = 3' "$TUNED"$'\n\n'"$VAE_KEEPS" "a:${SPEED_JOBS}x1"
     speed_run c1-graph "c1 cuda graph" "concurrency = 1" "$TUNED"$'\ngraph = true' "a:${SPEED_JOBS}x1"
     speed_run c1-batch4-graph "c1 batch_jobs 4, CUDA graph, VAE keeps its arena" $'concurrency = 1\nbatch_jobs = 4' \
         "$TUNED"$'\ngraph = true\n\n'"$VAE_KEEPS" "a:${SPEED_JOBS}x1"
