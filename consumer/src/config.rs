@@ -111,9 +111,10 @@ pub enum UnetSessions {
 
 impl UnetSessions {
     /// The room from which `"auto"` gives each slot a session: each costs the UNet's weights
-    /// again (5.7 GiB for SDXL in float16 on an H100, with its run thread's share), a seventh of
-    /// this, for +5-8% images/s in steady state (deploy/gpu/RESULTS.md, 2026-12-06, fourth
-    /// session). An 80 GiB card has ~65 GiB of room; a 48 GiB card ~38, which keeps one.
+    /// again (5.6 GiB measured for SDXL in float16 on an H100, the weights' 4.8 and the session's
+    /// own), a seventh of this, for +5-8% images/s in steady state (deploy/gpu/RESULTS.md,
+    /// 2026-12-06, fourth session). An 80 GiB card has ~65 GiB of room; a 48 GiB card ~38, which
+    /// keeps one.
     pub const AUTO_PER_SLOT_FROM_MIB: u64 = 40 * 1024;
 
     /// The sessions to load for `concurrency` slots on `device` with `room` bytes.
@@ -255,7 +256,7 @@ pub struct WorkerConfig {
     /// [`UnetSessions::Auto`]), 1 or `concurrency`. With one the render slots take turns on it,
     /// a whole schedule at a time, and the card idles in each call's gaps between kernels; with
     /// one per slot their UNet calls run at once and fill each other's gaps, for the UNet's
-    /// weights once more on the card per session (5 GiB for SDXL in float16), which the budget
+    /// weights once more on the card per session (5.6 GiB measured for SDXL in float16), which the budget
     /// counts with the models. deploy/gpu/RESULTS.md has what it gave.
     pub unet_sessions: UnetSessions,
     /// Up to this many compatible jobs (same size, steps, guidance, LoRA set) dealt to one slot
