@@ -12,7 +12,7 @@ use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
 use shotfleet_schema::progress::{self, ProgressEvent, ShotProgress};
 use shotfleet_schema::subject::{self, Priority, SubjectClass};
 
-use crate::wait::Outcome;
+use crate::wait::{Outcome, failure_line};
 
 /// How often queue positions are read (consumer info is recomputed by the server per call).
 const POSITIONS_EVERY: Duration = Duration::from_secs(2);
@@ -147,7 +147,7 @@ impl Live {
                 let notes: String = result.notes.iter().map(|note| format!(" · {note}")).collect();
                 format!("done: {} image(s) in {:.1}s{notes}", result.images.len(), result.timing.render_ms as f64 / 1000.0)
             }
-            Outcome::Failed { .. } => outcome.failure_line().unwrap_or_default(),
+            Outcome::Failed { reason, detail, .. } => failure_line(reason, detail),
         };
         self.line(job, &text, true);
         self.draw_waiting();

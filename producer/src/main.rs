@@ -646,9 +646,9 @@ fn print_table(
                 cancelled += 1;
                 ("cancelled", "-".into(), "-".into(), detail.clone())
             }
-            Some(outcome @ Outcome::Failed { .. }) => {
+            Some(Outcome::Failed { reason, detail, .. }) => {
                 failed += 1;
-                ("failed", "-".into(), "-".into(), outcome.failure_line().unwrap_or_default())
+                ("failed", "-".into(), "-".into(), wait::failure_line(reason, detail))
             }
             None => {
                 waiting += 1;

@@ -27,20 +27,19 @@ impl Outcome {
     pub fn is_failed(&self) -> bool {
         matches!(self, Self::Failed { .. })
     }
+}
 
-    /// A failure as one line of a listing, `reason: detail` with the detail cut to
-    /// [`BRIEF_DETAIL_CHARS`] on one line: ONNX Runtime's out-of-memory text runs to several
-    /// lines of allocator figures, which would break the row. The outcome on the result subject
-    /// keeps the whole text. `None` for a rendered job.
-    pub fn failure_line(&self) -> Option<String> {
-        let Self::Failed { reason, detail, .. } = self else { return None };
-        let flat = detail.split_whitespace().collect::<Vec<_>>().join(" ");
-        let brief = match flat.char_indices().nth(BRIEF_DETAIL_CHARS) {
-            Some((cut, _)) => format!("{}… (cut: the job's outcome has it all)", &flat[..cut]),
-            None => flat,
-        };
-        Some(if brief.is_empty() { reason.clone() } else { format!("{reason}: {brief}") })
-    }
+/// A failure as one line of a listing, `reason: detail` with the detail cut to
+/// [`BRIEF_DETAIL_CHARS`] on one line: ONNX Runtime's out-of-memory text runs to several lines of
+/// allocator figures, which would break the row. The outcome on the result subject keeps the
+/// whole text.
+pub fn failure_line(reason: &str, detail: &str) -> String {
+    let flat = detail.split_whitespace().collect::<Vec<_>>().join(" ");
+    let brief = match flat.char_indices().nth(BRIEF_DETAIL_CHARS) {
+        Some((cut, _)) => format!("{}… (cut: the job's outcome has it all)", &flat[..cut]),
+        None => flat,
+    };
+    if brief.is_empty() { reason.to_owned() } else { format!("{reason}: {brief}") }
 }
 
 /// How much of a failure's detail a listing shows.
@@ -279,22 +278,18 @@ fn read_outcome(
 mod tests {
     use super::*;
 
-    fn failed(reason: &str, detail: &str) -> Outcome {
-        Outcome::Failed { reason: reason.into(), detail: detail.into(), attempts: "1".into() }
-    }
-
     #[test]
     fn a_failure_is_one_line_and_a_long_detail_is_cut() {
         let oom = "out of memory at 2048x2048 one image at a time: Failed to allocate memory\n  BFCArena::AllocateRawInternal\n\tAvailable memory of 1234 is smaller than requested bytes of 5678";
         assert_eq!(
-            failed("oom", oom).failure_line().unwrap(),
+            failure_line("oom", oom),
             "oom: out of memory at 2048x2048 one image at a time: Failed to allocate memory BFCArena::AllocateRawInternal Available memory of 1234 is smaller than requested bytes of 5678"
         );
         let long = "é".repeat(BRIEF_DETAIL_CHARS + 50);
-        let line = failed("driver", &long).failure_line().unwrap();
+        let line = failure_line("driver", &long);
         assert!(line.starts_with(&format!("driver: {}…", "é".repeat(BRIEF_DETAIL_CHARS))), "{line}");
         assert!(line.ends_with("(cut: the job's outcome has it all)"), "{line}");
-        assert_eq!(failed("cancelled", "").failure_line().unwrap(), "cancelled");
-        assert_eq!(failed("invalid", "width: 10 is not a multiple of 8").failure_line().unwrap(), "invalid: width: 10 is not a multiple of 8");
+        assert_eq!(failure_line("cancelled", ""), "cancelled");
+        assert_eq!(failure_line("invalid", "width: 10 is not a multiple of 8"), "invalid: width: 10 is not a multiple of 8");
     }
 }

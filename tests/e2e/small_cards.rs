@@ -176,17 +176,21 @@ async fn cold_renders_start_every_job_without_the_last_ones_cache() {
     assert!(held[0] + 40 < held[1], "held at the small job's start: {} MiB with cold_renders, {} MiB without", held[0], held[1]);
 }
 
+/// A small card: it serves xs only, and gives a larger class 2 s for a roomier worker to show up.
+fn xs_only_with_a_short_handoff(store: &std::path::Path) -> WorkerSpec {
+    let mut spec = WorkerSpec::new("xs-only", store);
+    spec.classes = "[\"xs\"]";
+    spec.extra = "[degrade]\nhandoff = \"2s\"\n".into();
+    spec
+}
+
 #[tokio::test]
 async fn a_class_no_live_worker_holds_goes_one_rung_down_after_the_handoff() {
     let server = NatsServer::start();
     let js = jetstream_with(&server.url(), &Topology::default()).await;
     let store = tempfile::tempdir().unwrap();
-    // A fleet of one small card: it serves xs only, and gives a larger class 2 s for a roomier
-    // worker to show up.
-    let mut spec = WorkerSpec::new("xs-only", store.path());
-    spec.classes = "[\"xs\"]";
-    spec.extra = "[degrade]\nhandoff = \"2s\"\n".into();
-    let worker = Worker::start(&server.url(), spec);
+    // A fleet of one small card.
+    let worker = Worker::start(&server.url(), xs_only_with_a_short_handoff(store.path()));
     let client = async_nats::connect(server.url()).await.unwrap();
     let mut progress = client.subscribe(shotfleet_schema::progress::subject("acme", "too-big-1")).await.unwrap();
     let mut big = job("too-big-1", "acme", (768, 768), 2, 1);
@@ -222,10 +226,7 @@ async fn a_job_queued_while_the_roomy_worker_restarts(restart_grace: &str) -> (s
     let server = NatsServer::start();
     let js = jetstream_with(&server.url(), &Topology::default()).await;
     let store = tempfile::tempdir().unwrap();
-    let mut small = WorkerSpec::new("xs-only", store.path());
-    small.classes = "[\"xs\"]";
-    small.extra = "[degrade]\nhandoff = \"2s\"\n".into();
-    let small = Worker::start(&server.url(), small);
+    let small = Worker::start(&server.url(), xs_only_with_a_short_handoff(store.path()));
     let roomy_spec = WorkerSpec::new("roomy", store.path());
     let mut roomy = Worker::start(&server.url(), roomy_spec.clone());
     assert_eq!(roomy.terminate(Duration::from_secs(30)), Some(0), "{}", roomy.log());

@@ -653,7 +653,7 @@ impl Pipeline {
     /// The UNet lane the calling thread renders on: its index in the run threads (any other
     /// thread takes the first).
     fn lane(&self) -> usize {
-        self.run_threads.current_thread_index().unwrap_or(0) % self.shrink_next.len()
+        self.run_threads.current_thread_index().unwrap_or(0) % self.unet.lanes()
     }
 
     /// Asks ONNX Runtime to give the arena's free chunks back to the device at the end of the next
@@ -679,14 +679,14 @@ impl Pipeline {
     /// decodes of one size would make the second plan again, about a second on SDXL. The UNet's runs
     /// here cost the next render its plans too, less, but its arena is the one to give back.
     ///
-    /// # Errors
-    /// As [`Pipeline::render`].
-    ///
     /// The tiny renders run on the run threads and the caller waits for them, so call it from
     /// outside them (a run thread waiting here could take up other work meanwhile). With more than
     /// one UNet lane ([`PipelineOptions::unet_sessions`]) every run thread renders one, each on
     /// its own lane, so every lane's arena is given back; it returns once all have, after the
     /// renders those threads are running now.
+    ///
+    /// # Errors
+    /// As [`Pipeline::render`].
     pub fn shrink_arenas(&self) -> Result<(), RenderError> {
         let decode = if self.vae.holds_only_weights() { Decode::Skip } else { Decode::Images };
         if self.unet.lanes() == 1 {
@@ -879,9 +879,10 @@ impl Pipeline {
             )));
         }
         let mut timings = StageTimings::default();
+        let lane = self.lane();
         // `Requested`: shrink at the end if `request_arena_shrink` asked since the last render.
         let shrink = match shrink {
-            Shrink::Requested if self.shrink_next[self.lane()].swap(false, Ordering::Relaxed) => Shrink::AtEnd,
+            Shrink::Requested if self.shrink_next[lane].swap(false, Ordering::Relaxed) => Shrink::AtEnd,
             Shrink::Requested => Shrink::Never,
             other => other,
         };
@@ -946,7 +947,7 @@ impl Pipeline {
                 shrink_arena: shrink != Shrink::Never,
                 host_steps: trace.is_some(),
                 overrides: loras.map_or(&[], |set| set.part(shotfleet_schema::lora::Part::Unet)),
-                lane: self.lane(),
+                lane,
             };
             let cond = Conditioning {
                 positive: chunk.iter().map(|&(r, _)| &conditions[r].0).collect(),

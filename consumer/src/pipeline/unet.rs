@@ -160,11 +160,11 @@ impl Unet {
         Ok(Unet { lanes, sample, timestep, encoder_hidden_states, text_embeds, time_ids, output, latent_channels, graphs_captured })
     }
 
-    /// Lane `i % lanes`: run thread `i` of the pipeline's pool always takes the same one (so with
-    /// a lane per slot, two renders in flight never share one), any other thread the first
-    /// (`Pipeline::lane`).
+    /// Lane `i`, as `Pipeline::lane` picks it: run thread `i` of the pipeline's pool always takes
+    /// lane `i % lanes` (so with a lane per slot, two renders in flight never share one), any
+    /// other thread the first.
     fn lane(&self, i: usize) -> &Lane {
-        &self.lanes[i % self.lanes.len()]
+        &self.lanes[i]
     }
 
     /// How many sessions of the graph are loaded.
