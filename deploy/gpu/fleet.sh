@@ -20,6 +20,8 @@
 #   c3-batch4-keep-unet3  c2-batch4-keep-unet2 at concurrency 3 with three sessions
 #   c3-batch8-keep-unet3  the same with batch_jobs 8: UNet batches of 16 with guidance, where the
 #              matrix work runs nearer its roof (the profile: 0.92 at batch 8 against 0.86 at 2)
+#   c4-batch4-keep-unet4  c3-batch4-keep-unet3 with a fourth slot and session (c2 -> c3 gave +7%
+#              steady on the 2026-12-06 fourth-session H100: is there more to fill?)
 #   c1-graph   concurrency 1, the same [cuda.unet] plus graph = true; 16 x 1
 #   c1-batch4-graph  c2-batch4-keep at concurrency 1 (a captured graph needs it) with graph = true:
 #              the UNet's launch gaps (9% of a call, RESULTS.md's profile) closed by replaying a
@@ -262,6 +264,8 @@ stage_speed() {
         $'concurrency = 3\nbatch_jobs = 4\nunet_sessions = 3' "$TUNED"$'\n\n'"$VAE_KEEPS" "a:${SPEED_JOBS}x1"
     speed_run c3-batch8-keep-unet3 "c3 batch_jobs 8, VAE keeps its arena, a UNet session per slot" \
         $'concurrency = 3\nbatch_jobs = 8\nunet_sessions = 3' "$TUNED"$'\n\n'"$VAE_KEEPS" "a:${SPEED_JOBS}x1"
+    speed_run c4-batch4-keep-unet4 "c4 batch_jobs 4, VAE keeps its arena, a UNet session per slot" \
+        $'concurrency = 4\nbatch_jobs = 4\nunet_sessions = 4' "$TUNED"$'\n\n'"$VAE_KEEPS" "a:${SPEED_JOBS}x1"
     speed_run c1-graph "c1 cuda graph" "concurrency = 1" "$TUNED"$'\ngraph = true' "a:${SPEED_JOBS}x1"
     speed_run c1-batch4-graph "c1 batch_jobs 4, CUDA graph, VAE keeps its arena" $'concurrency = 1\nbatch_jobs = 4' \
         "$TUNED"$'\ngraph = true\n\n'"$VAE_KEEPS" "a:${SPEED_JOBS}x1"
