@@ -319,8 +319,8 @@ pub async fn run(
     // Answered from here on: while this worker starts, the fleet leaves the classes it admitted
     // when it last served to it (restart.rs).
     let last_served = restart::LastServed::new(&config.state_dir, &config.worker_id);
-    let holds = last_served.take(&config.classes);
-    let answers = ping::Answers::starting(restart::Starting::new(&config.worker_id, &config.classes, holds, config.degrade.restart_grace));
+    let held = last_served.take(&config.classes);
+    let answers = ping::Answers::starting(restart::Starting::new(&config.worker_id, &config.classes, held, config.degrade.restart_grace));
     let _pings = ping::listen(client.clone(), answers.clone(), pings);
     let mut consumers =
         fetch::Consumers::bind(&jobs_stream, &config.classes, config.idle_poll).await.map_err(|e| WorkerError::start("bind consumers", e))?;

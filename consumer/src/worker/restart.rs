@@ -8,9 +8,11 @@
 //!
 //! So a worker that becomes ready writes the classes it admits to its state folder, and on its
 //! next start it takes that record and answers pings with those classes, marked `starting`, for
-//! at most `[degrade] restart_grace`. Taking removes the record: a start that never becomes ready
-//! (a broken card, a model that no longer loads) leaves nothing for the start after it, so a
-//! worker crash-looping at start-up holds no class for longer than one grace.
+//! at most `[degrade] restart_grace`. Taking stamps the record with the time of that first take,
+//! and the grace counts from the stamp: a start that fails on something passing (the store or
+//! NATS away for a moment) keeps the rest of its grace for the start after it, while a series of
+//! starts that never becomes ready (a broken card, a model that no longer loads, a crash loop)
+//! holds no class for longer than one grace in all. Becoming ready writes a fresh record.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -34,6 +36,17 @@ struct Record {
     worker: String,
     admits: Vec<MemoryClass>,
     at_ms: u64,
+    /// When a start first took this record: the grace counts from here (absent until taken).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    taken_at_ms: Option<u64>,
+}
+
+/// What a start holds from the record of the last ready one: the classes, and how long ago the
+/// first start since then took them (its grace counts from there).
+#[derive(Debug, Default, PartialEq)]
+pub struct Held {
+    pub classes: Vec<MemoryClass>,
+    pub taken_ago: Duration,
 }
 
 impl LastServed {
@@ -43,30 +56,43 @@ impl LastServed {
         Self { path: state_dir.join(format!("last-served-{}.json", &digest[..16])), worker_id: worker_id.to_owned() }
     }
 
-    /// The classes the last ready start admitted that this start still serves, and removes the
-    /// record. None when there is no record, it is unreadable or another worker's.
-    pub fn take(&self, serves: &[MemoryClass]) -> Vec<MemoryClass> {
+    /// The classes the last ready start admitted that this start still serves, and how long ago a
+    /// start first took them; stamps the record with this take when it is the first. Nothing when
+    /// there is no record, it is unreadable (then removed) or another worker's.
+    pub fn take(&self, serves: &[MemoryClass]) -> Held {
         let text = match std::fs::read_to_string(&self.path) {
             Ok(text) => text,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Vec::new(),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Held::default(),
             Err(e) => {
                 warn!(path = %self.path.display(), error = %e, "cannot read the record of the last start; holding no class while starting");
-                return Vec::new();
+                return Held::default();
             }
         };
-        if let Err(e) = std::fs::remove_file(&self.path) {
-            // Kept, it would let a start that never becomes ready hold classes on every restart.
-            warn!(path = %self.path.display(), error = %e, "cannot remove the record of the last start; holding no class while starting");
-            return Vec::new();
-        }
-        match serde_json::from_str::<Record>(&text) {
-            Ok(record) if record.worker == self.worker_id => record.admits.into_iter().filter(|c| serves.contains(c)).collect(),
-            Ok(_) => Vec::new(),
+        let mut record = match serde_json::from_str::<Record>(&text) {
+            Ok(record) if record.worker == self.worker_id => record,
+            Ok(_) => return Held::default(),
             Err(e) => {
                 warn!(path = %self.path.display(), error = %e, "the record of the last start is not readable; holding no class while starting");
-                Vec::new()
+                let _ = std::fs::remove_file(&self.path);
+                return Held::default();
             }
-        }
+        };
+        let now = now_ms();
+        let taken_at = match record.taken_at_ms {
+            Some(at) => at.min(now),
+            None => {
+                record.taken_at_ms = Some(now);
+                if let Err(e) = self.write(&record) {
+                    // Unstamped, every start would begin a fresh grace: a crash loop would hold its
+                    // classes for good.
+                    warn!(path = %self.path.display(), error = %e, "cannot stamp the record of the last start; holding no class while starting");
+                    return Held::default();
+                }
+                now
+            }
+        };
+        let classes = record.admits.into_iter().filter(|c| serves.contains(c)).collect();
+        Held { classes, taken_ago: Duration::from_millis(now - taken_at) }
     }
 
     /// Writes what this worker admits: once it is ready, and again as it stops (an out-of-memory
@@ -78,18 +104,20 @@ impl LastServed {
         if let Some(dir) = self.path.parent() {
             remove_stale(dir);
         }
-        let record = Record { worker: self.worker_id.clone(), admits: admits.to_vec(), at_ms: now_ms() };
-        let write = || -> std::io::Result<()> {
-            if let Some(dir) = self.path.parent() {
-                std::fs::create_dir_all(dir)?;
-            }
-            let tmp = self.path.with_extension("json.tmp");
-            std::fs::write(&tmp, serde_json::to_vec(&record).expect("records serialize"))?;
-            std::fs::rename(&tmp, &self.path)
-        };
-        if let Err(e) = write() {
+        let record = Record { worker: self.worker_id.clone(), admits: admits.to_vec(), at_ms: now_ms(), taken_at_ms: None };
+        if let Err(e) = self.write(&record) {
             warn!(path = %self.path.display(), error = %e, "cannot write the record of this start; a restart will hold no class while starting");
         }
+    }
+
+    /// Replaces the record whole (a rename: a reader never sees half of one).
+    fn write(&self, record: &Record) -> std::io::Result<()> {
+        if let Some(dir) = self.path.parent() {
+            std::fs::create_dir_all(dir)?;
+        }
+        let tmp = self.path.with_extension("json.tmp");
+        std::fs::write(&tmp, serde_json::to_vec(record).expect("records serialize"))?;
+        std::fs::rename(&tmp, &self.path)
     }
 }
 
@@ -118,15 +146,18 @@ pub struct Starting {
 }
 
 impl Starting {
-    /// `holds` (from [`LastServed::take`]) for `grace` from now.
-    pub fn new(worker: &str, serves: &[MemoryClass], holds: Vec<MemoryClass>, grace: Duration) -> Self {
-        let names = holds.iter().map(|c| c.as_str()).collect::<Vec<_>>().join(",");
-        if !holds.is_empty() && !grace.is_zero() {
-            info!(classes = %names, grace_s = grace.as_secs_f64(), "restarting: the fleet leaves the classes this worker admitted to it while it starts");
+    /// `held` (from [`LastServed::take`]) for what is left of `grace` since it was first taken.
+    pub fn new(worker: &str, serves: &[MemoryClass], held: Held, grace: Duration) -> Self {
+        let names = held.classes.iter().map(|c| c.as_str()).collect::<Vec<_>>().join(",");
+        let left = grace.saturating_sub(held.taken_ago);
+        if !held.classes.is_empty() && !left.is_zero() {
+            info!(classes = %names, grace_s = left.as_secs_f64(), "restarting: the fleet leaves the classes this worker admitted to it while it starts");
+        } else if !held.classes.is_empty() && !grace.is_zero() {
+            info!(classes = %names, "starting: no classes held meanwhile (the starts since this worker last became ready used up its grace)");
         } else if !grace.is_zero() {
             info!("starting: no classes held meanwhile (no record of a start that became ready, under this worker_id and state_dir)");
         }
-        Self { worker: worker.to_owned(), serves: serves.to_vec(), holds, started: Instant::now(), grace }
+        Self { worker: worker.to_owned(), serves: serves.to_vec(), holds: held.classes, started: Instant::now(), grace: left }
     }
 
     /// What a ping hears: no job taken, and the classes held while the grace lasts.
@@ -153,15 +184,30 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_start_holds_what_the_last_ready_start_admitted_once() {
+    fn a_start_holds_what_the_last_ready_start_admitted_for_one_grace_in_all() {
         let dir = tempfile::tempdir().unwrap();
         let last = LastServed::new(dir.path(), "host/gpu0");
-        assert!(last.take(&[S, M, L]).is_empty(), "no record yet");
+        assert_eq!(last.take(&[S, M, L]), Held::default(), "no record yet");
         last.record(&[S, M, L]);
         // Classes no longer served are not held.
-        assert_eq!(last.take(&[S, M]), [S, M]);
-        // Taken: a start that never becomes ready leaves nothing for the next.
-        assert!(last.take(&[S, M, L]).is_empty());
+        let first = last.take(&[S, M]);
+        assert_eq!(first.classes, [S, M]);
+        assert!(first.taken_ago < Duration::from_secs(5));
+        // A start that failed before it became ready: the next holds the same classes, its grace
+        // counted from the first take (here stamped ten minutes back).
+        let mut record: Record = serde_json::from_slice(&std::fs::read(&last.path).unwrap()).unwrap();
+        record.taken_at_ms = Some(now_ms() - 600_000);
+        last.write(&record).unwrap();
+        let again = last.take(&[S, M, L]);
+        assert_eq!(again.classes, [S, M, L]);
+        assert!(again.taken_ago >= Duration::from_secs(600));
+        let state = Starting::new("host/gpu0", &[S, M, L], again, Duration::from_secs(300)).state();
+        assert!(state.starting && state.admits.is_empty(), "a grace of 5 min used up ten minutes ago");
+        // Becoming ready writes a fresh record: the next start holds for a whole grace again.
+        last.record(&[M]);
+        let fresh = last.take(&[S, M, L]);
+        assert_eq!(fresh.classes, [M]);
+        assert!(fresh.taken_ago < Duration::from_secs(5));
     }
 
     #[test]
@@ -170,12 +216,12 @@ mod tests {
         LastServed::new(dir.path(), "a").record(&[M]);
         let a = LastServed::new(dir.path(), "a");
         let b = LastServed::new(dir.path(), "b");
-        assert!(b.take(&[M]).is_empty(), "b has its own file");
-        std::fs::write(&b.path, serde_json::to_vec(&Record { worker: "a".into(), admits: vec![M], at_ms: 0 }).unwrap()).unwrap();
-        assert!(b.take(&[M]).is_empty(), "a record naming another worker");
+        assert_eq!(b.take(&[M]), Held::default(), "b has its own file");
+        b.write(&Record { worker: "a".into(), admits: vec![M], at_ms: 0, taken_at_ms: None }).unwrap();
+        assert_eq!(b.take(&[M]), Held::default(), "a record naming another worker");
         std::fs::write(&a.path, b"{ not json").unwrap();
-        assert!(a.take(&[M]).is_empty());
-        assert!(!a.path.exists(), "a broken record is removed too");
+        assert_eq!(a.take(&[M]), Held::default());
+        assert!(!a.path.exists(), "a broken record is removed");
     }
 
     #[test]
@@ -197,11 +243,12 @@ mod tests {
 
     #[test]
     fn a_starting_worker_holds_its_classes_for_the_grace_only() {
-        let holding = Starting::new("w", &[S, M, Xl], vec![S, M], Duration::from_secs(60)).state();
+        let held = || Held { classes: vec![S, M], taken_ago: Duration::ZERO };
+        let holding = Starting::new("w", &[S, M, Xl], held(), Duration::from_secs(60)).state();
         assert!(holding.starting && !holding.taking_jobs);
         assert_eq!(holding.admits, [S, M]);
         assert_eq!(holding.serves, [S, M, Xl]);
-        let over = Starting::new("w", &[S, M], vec![S, M], Duration::ZERO).state();
+        let over = Starting::new("w", &[S, M], held(), Duration::ZERO).state();
         assert!(over.starting && over.admits.is_empty());
     }
 }
