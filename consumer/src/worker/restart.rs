@@ -79,8 +79,10 @@ impl LastServed {
         };
         let now = now_ms();
         let taken_at = match record.taken_at_ms {
-            Some(at) => at.min(now),
-            None => {
+            Some(at) if at <= now => at,
+            // Unstamped, or stamped ahead of this clock (it stepped back): stamped now, or every
+            // start until the clock passes the stamp would begin a fresh grace.
+            _ => {
                 record.taken_at_ms = Some(now);
                 if let Err(e) = self.write(&record) {
                     // Unstamped, every start would begin a fresh grace: a crash loop would hold its
@@ -97,7 +99,7 @@ impl LastServed {
 
     /// Writes what this worker admits: once it is ready, and again as it stops (an out-of-memory
     /// may have taken a class from it since). A failure is logged: the next start then holds no
-    /// class while it starts, as before this record existed. Records nobody took for
+    /// class while it starts, as before this record existed. Records not written for
     /// [`STALE_AFTER`] go: on a shared state folder every worker id that ever served leaves one
     /// (a Kubernetes pod's id is its name).
     pub fn record(&self, admits: &[MemoryClass]) {
@@ -203,6 +205,12 @@ mod tests {
         assert!(again.taken_ago >= Duration::from_secs(600));
         let state = Starting::new("host/gpu0", &[S, M, L], again, Duration::from_secs(300)).state();
         assert!(state.starting && state.admits.is_empty(), "a grace of 5 min used up ten minutes ago");
+        // A stamp ahead of the clock (it stepped back) is stamped again now, not trusted.
+        record.taken_at_ms = Some(now_ms() + 3_600_000);
+        last.write(&record).unwrap();
+        assert!(last.take(&[S]).taken_ago < Duration::from_secs(5));
+        let restamped: Record = serde_json::from_slice(&std::fs::read(&last.path).unwrap()).unwrap();
+        assert!(restamped.taken_at_ms.unwrap() <= now_ms());
         // Becoming ready writes a fresh record: the next start holds for a whole grace again.
         last.record(&[M]);
         let fresh = last.take(&[S, M, L]);
