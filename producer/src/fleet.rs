@@ -80,27 +80,23 @@ impl Fleet {
     pub fn warnings(&self, status: &Status, now: Instant) -> Vec<String> {
         let answered = || self.live(now).filter_map(|(_, w)| w.state.as_ref());
         let states: Vec<&WorkerState> = answered().filter(|s| s.taking_jobs).collect();
-        let starting: Vec<&WorkerState> = answered().filter(|s| s.starting).collect();
+        // Starting (a restart's grace) or draining (a deploy's old process): they take no job now,
+        // but the workers' unserved watch counts what they admit as held, as here.
+        let idle: Vec<&WorkerState> = answered().filter(|s| !s.taking_jobs).collect();
         let serves: BTreeSet<MemoryClass> = states.iter().flat_map(|s| s.serves.iter().copied()).collect();
         let admits: BTreeSet<MemoryClass> = states.iter().flat_map(|s| s.admits.iter().copied()).collect();
         let mut lines = Vec::new();
         for queue in status.queues.iter().filter(|q| q.pending + q.in_progress > 0) {
             let waiting = queue.pending + queue.in_progress;
-            // A restarting worker holds the classes it admitted when it last served: the fleet
-            // leaves their jobs to it for its restart grace.
-            let restarting = match queue.class {
-                SubjectClass::Class(class) if !admits.contains(&class) => {
-                    starting.iter().find(|s| s.admits.contains(&class)).map(|s| (s.worker.as_str(), class))
-                }
+            let holder = match queue.class {
+                SubjectClass::Class(class) if !admits.contains(&class) => idle.iter().find(|s| s.admits.contains(&class)).map(|s| (*s, class)),
                 _ => None,
             };
             let why = match queue.class {
-                _ if restarting.is_some() => restarting.map(|(worker, class)| {
-                    format!("worker {worker} is starting; it admitted class {class} when it last served, and the fleet leaves these jobs to it meanwhile")
-                }),
-                _ if states.is_empty() && !starting.is_empty() => Some(format!(
-                    "no live worker takes jobs yet ({} starting)",
-                    starting.iter().map(|s| s.worker.as_str()).collect::<Vec<_>>().join(", ")
+                _ if holder.is_some() => holder.map(|(worker, class)| held_by(worker, class)),
+                _ if states.is_empty() && !idle.is_empty() => Some(format!(
+                    "no live worker takes jobs now ({})",
+                    idle.iter().map(|s| format!("{} {}", s.worker, if s.starting { "starting" } else { "draining" })).collect::<Vec<_>>().join(", ")
                 )),
                 _ if states.is_empty() => Some("no live worker answers (is the fleet running?)".to_owned()),
                 SubjectClass::Auto => None,
@@ -118,6 +114,18 @@ impl Fleet {
             }
         }
         lines
+    }
+}
+
+/// Why the jobs of `class` wait for `worker`, which admits it but takes no job now.
+fn held_by(worker: &WorkerState, class: MemoryClass) -> String {
+    let name = &worker.worker;
+    if worker.starting {
+        format!("worker {name} is starting; it admitted class {class} when it last served, and the fleet leaves these jobs to it meanwhile")
+    } else {
+        format!(
+            "worker {name} is draining and takes no new jobs; the fleet leaves class {class} to it until it is gone, then a handoff more before sending these jobs down (start a worker that admits {class})"
+        )
     }
 }
 
@@ -213,6 +221,39 @@ mod tests {
         fleet.answered(starting("big", &[]), now);
         let warnings = fleet.warnings(&status, now);
         assert!(warnings[0].contains("no live worker can admit class m"), "{warnings:?}");
+    }
+
+    #[test]
+    fn a_draining_worker_is_named_for_the_classes_it_still_admits() {
+        use MemoryClass::{M, S};
+        let status = Status { queues: vec![queue(SubjectClass::Class(S), 1), queue(SubjectClass::Class(M), 2)], ..Status::default() };
+        let now = Instant::now();
+        let mut fleet = Fleet::default();
+        let draining = |name: &str| WorkerState { taking_jobs: false, ..worker(name, &[S, M], &[S, M]) };
+        fleet.answered(draining("old"), now);
+        let alone = fleet.warnings(&status, now);
+        assert_eq!(alone.len(), 2, "{alone:?}");
+        assert!(alone.iter().all(|w| w.contains("worker old is draining")), "{alone:?}");
+
+        // A deploy: the new process starts holding nothing yet beside the old one draining.
+        fleet.answered(WorkerState { taking_jobs: false, starting: true, ..worker("new", &[S, M], &[]) }, now);
+        fleet.answered(worker("small", &[S, M], &[S]), now);
+        let warnings = fleet.warnings(&status, now);
+        assert_eq!(warnings.len(), 1, "class s is admitted by a worker taking jobs: {warnings:?}");
+        assert!(warnings[0].contains("render-p1-m") && warnings[0].contains("worker old is draining"), "{warnings:?}");
+    }
+
+    #[test]
+    fn with_nobody_taking_jobs_the_idle_workers_are_listed() {
+        use MemoryClass::{M, S};
+        let status = Status { queues: vec![queue(SubjectClass::Auto, 1)], ..Status::default() };
+        let now = Instant::now();
+        let mut fleet = Fleet::default();
+        fleet.answered(WorkerState { taking_jobs: false, ..worker("old", &[S, M], &[S, M]) }, now);
+        fleet.answered(WorkerState { taking_jobs: false, starting: true, ..worker("new", &[S, M], &[]) }, now);
+        let warnings = fleet.warnings(&status, now);
+        assert_eq!(warnings.len(), 1, "{warnings:?}");
+        assert!(warnings[0].contains("no live worker takes jobs now (") && warnings[0].contains("new starting") && warnings[0].contains("old draining"), "{warnings:?}");
     }
 
     #[test]
