@@ -32,8 +32,9 @@
 #   profile         optimize-wait, then onnx/profile_unet.py: the fused UNet's time per node and op type
 #                   against each one's roofline, batches PROFILE_BATCHES (2,8) at 1024² -> profile.json, profile.md
 #   tune            optimize-wait, then onnx/tune_unet.py time: graph rewrites (TUNE_VARIANTS) against the
-#                   fused UNet, alternating, outputs compared -> tune.json (default none,unpack_qkv:
-#                   `none` is the graph untouched, the spread between identical sessions)
+#                   fused UNet, alternating, outputs compared -> tune.json (default none: the graph
+#                   untouched, the spread between identical sessions; optimize_unet.py's graph has
+#                   conv_bias and unpack_qkv applied already)
 #   streams         optimize-wait, then onnx/tune_unet.py streams: the fused UNet's calls/s and NVML busy
 #                   with one call in flight, two on one session, two on two sessions -> streams.json
 #                   (issue 17, point 2: the worker's slots run their UNet calls one after the other)
@@ -419,8 +420,8 @@ stage_tune() {
     ort_env
     local budget
     budget=$(min "${TUNE_BUDGET_S:-200}" "$(($(left) - 40))")
-    log "tune_unet.py time, variants ${TUNE_VARIANTS:-none,unpack_qkv}, limit $budget s"
-    timeout -k 10 "$budget" python3 onnx/tune_unet.py time --model "$SDXL/unet/model.onnx" --variants "${TUNE_VARIANTS:-none,unpack_qkv}" \
+    log "tune_unet.py time, variants ${TUNE_VARIANTS:-none}, limit $budget s"
+    timeout -k 10 "$budget" python3 onnx/tune_unet.py time --model "$SDXL/unet/model.onnx" --variants "${TUNE_VARIANTS:-none}" \
         --cuda-option cudnn_conv_algo_search=HEURISTIC --out "$RESULTS/tune.json" 2>&1 | tee "$RESULTS/tune.log"
     local rc=${PIPESTATUS[0]}
     rm -f "$SDXL"/unet/model-tune-*.onnx
