@@ -424,7 +424,7 @@ impl LastOutcomes {
         let last = match tokio::time::timeout(LOOKUP, outcome::last(results, project, job_id)).await {
             Ok(Ok(Some(last))) => last,
             // No outcome, or one that does not decode: that job's record goes as it is.
-            Ok(Ok(None) | Err(OutcomeError::Unreadable(_))) => return Standing::Open,
+            Ok(Ok(None) | Err(OutcomeError::Unreadable { .. })) => return Standing::Open,
             Ok(Err(e @ OutcomeError::Lookup(_))) => {
                 *self = Self::off(e.to_string());
                 return Standing::Open;

@@ -133,3 +133,21 @@ async fn images_go_to_s3_with_the_same_protocol() {
     let listed = client.list_job("acme", "s3-1").await.unwrap();
     assert_eq!(listed.len(), 2, "nothing else under the job: {listed:?}");
 }
+
+#[tokio::test]
+async fn a_stray_message_on_a_jobs_result_subject_does_not_wedge_it() {
+    // On a server without the shipped roles any client may publish on a result subject; a
+    // message there that is no outcome settles nothing, and the job's outcome claims over it.
+    let server = NatsServer::start();
+    let js = jetstream_with(&server.url(), &Topology::default()).await;
+    let store = tempfile::tempdir().unwrap();
+    let stray = shotfleet_schema::subject::result("acme", "stray-1");
+    js.publish(stray, r#"{"job_id": "stray-1", "prompt": "not an outcome"}"#.into()).await.unwrap().await.unwrap();
+    let worker = Worker::start(&server.url(), WorkerSpec::new("w", store.path()));
+    let j = shot(Priority::P1, job("stray-1", "acme", (64, 64), 2, 1));
+    submit(&js, std::slice::from_ref(&j)).await;
+    let result = results(&outcomes(&js, std::slice::from_ref(&j), Duration::from_secs(60)).await).remove(0);
+    assert_eq!(result.worker, "w");
+    assert!(worker.log().contains("settling the job over a message that is no outcome"), "{}", worker.log());
+    check_store(store.path(), &result);
+}

@@ -28,8 +28,10 @@ use std::time::{Duration, SystemTime};
 use async_nats::jetstream::context::PublishErrorKind;
 use async_nats::jetstream::message::PublishMessage;
 use shotfleet_schema::encoding::{self, ContentType};
+use shotfleet_schema::nats::outcome::OutcomeError;
 use shotfleet_schema::validate::{MAX_ID_BYTES, MAX_PROJECT_BYTES, id_problem};
 use shotfleet_schema::{Degrade, Failure, ImageRef, JobIds, ResultStatus, ShotJob, ShotResult, Timing, subject};
+use tracing::warn;
 
 use crate::failure::{JobError, classify_render};
 use crate::faults;
@@ -74,10 +76,18 @@ pub enum Standing {
 ///
 /// # Errors
 /// A transient [`JobError`] when the results stream cannot be read.
+///
+/// A last message there that is no outcome (it does not decode) settles nothing: the message's
+/// outcome claims over it, or the job could never settle (every look-up would fail alike).
 pub async fn standing(shared: &Shared, project: &str, job_id: &str, sequence: u64, published: SystemTime) -> Result<Standing, JobError> {
-    Ok(match last_outcome(shared, project, job_id).await? {
-        Some(outcome) if outcome.settles(sequence, published) => Standing::Settled(Box::new(outcome)),
-        last => Standing::Open { last: last.map_or(0, |o| o.sequence) },
+    Ok(match shotfleet_schema::nats::outcome::last(&shared.results, project, job_id).await {
+        Ok(Some(outcome)) if outcome.settles(sequence, published) => Standing::Settled(Box::new(outcome)),
+        Ok(last) => Standing::Open { last: last.map_or(0, |o| o.sequence) },
+        Err(e @ OutcomeError::Unreadable { sequence: last, .. }) => {
+            warn!(project, job = job_id, error = %e, "settling the job over a message that is no outcome");
+            Standing::Open { last }
+        }
+        Err(e) => return Err(JobError::transient(e.to_string())),
     })
 }
 

@@ -43,8 +43,11 @@ impl Outcome {
 /// Why the last outcome could not be read.
 #[derive(Debug, thiserror::Error)]
 pub enum OutcomeError {
-    #[error("the job's committed outcome is unreadable: {0}")]
-    Unreadable(String),
+    /// The last message on the subject does not decode as an outcome (a tool or client that
+    /// published there by mistake, on a server without the shipped roles): it is no outcome,
+    /// and settles nothing; a claim expects its `sequence`.
+    #[error("the last message on the job's result subject (sequence {sequence}) is no outcome: {detail}")]
+    Unreadable { detail: String, sequence: u64 },
     #[error("cannot look up the job's outcome: {0}")]
     Lookup(String),
 }
@@ -57,9 +60,10 @@ pub enum OutcomeError {
 pub async fn last<I>(results: &Stream<I>, project: &str, job_id: &str) -> Result<Option<Outcome>, OutcomeError> {
     match results.direct_get_last_for_subject(subject::result(project, job_id)).await {
         Ok(message) => {
+            let unreadable = |detail: String| OutcomeError::Unreadable { detail, sequence: message.sequence };
             let content_type = super::content_type(&message.headers);
-            let content_type = ContentType::from_header(content_type.as_deref()).map_err(|e| OutcomeError::Unreadable(e.to_string()))?;
-            let result = encoding::decode(content_type, &message.payload).map_err(|e| OutcomeError::Unreadable(e.to_string()))?;
+            let content_type = ContentType::from_header(content_type.as_deref()).map_err(|e| unreadable(e.to_string()))?;
+            let result = encoding::decode(content_type, &message.payload).map_err(|e| unreadable(e.to_string()))?;
             let settles_through = match super::header_value(&message.headers, SETTLES_HEADER) {
                 Some(through) => through.parse().ok(),
                 None => super::header_value(&message.headers, crate::failure::MSG_ID).and_then(|id| subject::msg_id::outcome_sequence(&id)),
