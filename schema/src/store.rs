@@ -13,15 +13,19 @@ pub fn make_folder(root: &Path) -> io::Result<()> {
     if root.is_dir() {
         return Ok(());
     }
-    std::fs::create_dir(root).map_err(|e| match e.kind() {
-        io::ErrorKind::NotFound => io::Error::new(
-            e.kind(),
-            format!(
-                "its parent folder {} does not exist (a slip in the path, or a share not mounted?); create it first if this is the folder meant",
-                root.parent().map(|p| p.display().to_string()).unwrap_or_default()
+    std::fs::create_dir(root).map_err(|e| {
+        let parent = root.parent().map(|p| p.display().to_string()).unwrap_or_default();
+        match e.kind() {
+            // The parent is the cause only where it is missing: /proc and other special file
+            // systems answer "not found" to a mkdir too.
+            io::ErrorKind::NotFound if !root.parent().is_some_and(Path::is_dir) => io::Error::new(
+                e.kind(),
+                format!(
+                    "its parent folder {parent} does not exist (a slip in the path, or a share not mounted?); create it first if this is the folder meant"
+                ),
             ),
-        ),
-        _ => e,
+            _ => io::Error::new(e.kind(), format!("it cannot be made in {parent}: {e}")),
+        }
     })
 }
 
@@ -39,5 +43,9 @@ mod tests {
         let refused = make_folder(&deep).unwrap_err().to_string();
         assert!(refused.contains("does not exist") && refused.contains("create it first"), "{refused}");
         assert!(!dir.path().join("a").exists());
+        if Path::new("/proc").is_dir() {
+            let special = make_folder(Path::new("/proc/shotfleet-images")).unwrap_err().to_string();
+            assert!(special.contains("cannot be made in /proc") && !special.contains("does not exist"), "{special}");
+        }
     }
 }
