@@ -320,7 +320,7 @@ async fn a_store_that_refuses_one_jobs_keys_fails_that_job_and_serves_the_next()
     match &ended["refused-1"] {
         Outcome::Failed { reason, detail, .. } => {
             assert_eq!(reason, "attempts", "{detail}");
-            assert!(detail.contains("the store takes other keys"), "{detail}");
+            assert!(detail.contains("the store refuses this job's keys and takes others"), "{detail}");
         }
         other => panic!("expected the job to fail: {other:?}"),
     }

@@ -112,7 +112,9 @@ async fn stop(shared: &Shared, held: &Held<'_>, error: JobError) -> JobOutcome {
             // which else every worker taking the job in turn would do. The image store's probe
             // says nothing of the LoRA library's: a refusing library stops the worker.
             if error.kind == ErrorKind::StoreUnusable && shared.store.check().await.is_ok() {
-                let detail = format!("{}; the store takes other keys: this job's are refused", error.detail);
+                // The conclusion first: the outcome's detail is cut at 300 bytes, and the store's
+                // own error (paths, keys, timings) can fill them.
+                let detail = format!("the store refuses this job's keys and takes others: {}", error.detail);
                 return failed_attempt(shared, held, &detail).await;
             }
             delivery.nak(None).await;
