@@ -850,7 +850,12 @@ async fn replay_failed(options: &NatsOptions, args: ReplayArgs) -> Result<u8, Fa
     );
     let mut problems = Vec::new();
     let mut notes = Vec::new();
+    let mut invalid_sent = 0;
     let summary = replay::replay(&js, &filter, args.dry_run, |record, outcome| {
+        let sent = matches!(outcome, replay::Outcome::WouldReplay { .. } | replay::Outcome::Replayed { duplicate: false, .. });
+        if sent && record.reason == FailureReason::Invalid.as_str() {
+            invalid_sent += 1;
+        }
         let action = match outcome {
             replay::Outcome::WouldReplay { .. } => "would replay",
             replay::Outcome::Replayed { duplicate: false, .. } => "replayed",
@@ -914,6 +919,14 @@ async fn replay_failed(options: &NatsOptions, args: ReplayArgs) -> Result<u8, Fa
                 summary.duplicates
             );
         }
+    }
+    if invalid_sent > 0 {
+        // A payload goes back as it was: only a change beside it (a LoRA pushed, the workers'
+        // `[limits]`) lets it render this time.
+        let verb = if args.dry_run { "would go" } else { "went" };
+        eprintln!(
+            "{invalid_sent} record(s) failed as `invalid` {verb} back unchanged: they fail the same way unless what refused them has changed since (a LoRA pushed, the workers' [limits]); a payload at fault needs its producer to send it again, fixed"
+        );
     }
     Ok(if summary.kept > 0 { 1 } else { 0 })
 }

@@ -27,10 +27,10 @@ use async_nats::jetstream::stream::{LastRawMessageErrorKind, Stream};
 use async_nats::jetstream;
 use bytes::Bytes;
 use shotfleet_schema::encoding::{self, ContentType};
-use shotfleet_schema::failure::{self, FailureReason};
+use shotfleet_schema::failure::{self, FailureReason, one_line};
 use shotfleet_schema::nats::outcome::{self, OutcomeError};
 use shotfleet_schema::subject::{self, JobSubject, SubjectClass};
-use shotfleet_schema::{Original, ResultStatus, ShotJob};
+use shotfleet_schema::{Original, ResultStatus, ShotJob, validate};
 
 /// Which records to replay. Empty lists match everything.
 #[derive(Debug, Clone, Default)]
@@ -86,6 +86,9 @@ pub struct FailedRecord {
     pub subject: String,
     pub project: Option<String>,
     pub job_id: Option<String>,
+    /// The `job_id` its payload holds where that is no valid id (`a.b`, a subject wildcard, too
+    /// long): the record has no `Shotfleet-Job-Id` then, but a person still looks for it by it.
+    pub id_as_sent: Option<String>,
     /// As written (`Shotfleet-Reason`); unknown reasons are kept as text.
     pub reason: String,
     pub detail: String,
@@ -98,27 +101,36 @@ pub struct FailedRecord {
 
 impl FailedRecord {
     /// How a table names the record's job: `<project>/<job_id>` (ids are unique within a
-    /// project only), the id alone, or `-` for a payload without one.
+    /// project only), the id alone, the id as sent when it is no valid id (quoted, one line,
+    /// cut), or `-` for a payload without one.
     pub fn job_name(&self) -> String {
-        match (&self.project, &self.job_id) {
-            (Some(project), Some(job_id)) => shotfleet_schema::job::key(project, job_id),
-            (None, Some(job_id)) => job_id.clone(),
-            (_, None) => "-".into(),
+        match (&self.project, &self.job_id, &self.id_as_sent) {
+            (Some(project), Some(job_id), _) => shotfleet_schema::job::key(project, job_id),
+            (None, Some(job_id), _) => job_id.clone(),
+            (_, None, Some(sent)) => format!("{:?} (no valid id)", one_line(sent, 40)),
+            (_, None, None) => "-".into(),
         }
     }
 
     fn from_message(message: StreamMessage) -> Self {
         let header = |name: &str| message.headers.get(name).map(|v| v.as_str().to_owned());
         let subject = message.subject.to_string();
+        let job_id = header(failure::JOB_ID).filter(|id| !id.is_empty());
+        let content_type = header(failure::CONTENT_TYPE);
+        let id_as_sent = match job_id {
+            Some(_) => None,
+            None => shotfleet_schema::encoding::read_job_id_as_sent(content_type.as_deref(), &message.payload),
+        };
         Self {
             seq: message.sequence,
             project: subject::parse_failed(&subject).ok().map(|(_, project)| project),
-            job_id: header(failure::JOB_ID).filter(|id| !id.is_empty()),
+            job_id,
+            id_as_sent,
             reason: header(failure::REASON).unwrap_or_default(),
             detail: header(failure::DETAIL).unwrap_or_default(),
             attempts: header(failure::ATTEMPTS).unwrap_or_default(),
             original_subject: header(failure::ORIGINAL_SUBJECT),
-            content_type: header(failure::CONTENT_TYPE),
+            content_type,
             written: message.time.into(),
             subject,
             payload: message.payload,
@@ -160,9 +172,11 @@ impl Filter {
     fn matches(&self, record: &FailedRecord) -> bool {
         let reason_ok = self.reasons.is_empty() || record.reason().is_some_and(|r| self.reasons.contains(&r));
         let project_ok = self.projects.is_empty() || record.project.as_ref().is_some_and(|p| self.projects.contains(p));
-        // A job by id, or by `<project>/<job_id>` as the table names it.
+        // A job by id, or by `<project>/<job_id>` as the table names it, or by the id it was
+        // sent with when that is no valid id.
         let job_ok = self.jobs.is_empty()
-            || record.job_id.as_ref().is_some_and(|j| self.jobs.contains(j) || self.jobs.contains(&record.job_name()));
+            || record.job_id.as_ref().is_some_and(|j| self.jobs.contains(j) || self.jobs.contains(&record.job_name()))
+            || record.id_as_sent.as_ref().is_some_and(|j| self.jobs.contains(j));
         let since_ok = self.since.is_none_or(|t| record.written >= t);
         let until_ok = self.until.is_none_or(|t| record.written <= t);
         reason_ok && project_ok && job_ok && since_ok && until_ok
@@ -337,6 +351,12 @@ async fn settle(
     record: &FailedRecord,
     dry_run: bool,
 ) -> Outcome {
+    if let (None, Some(sent)) = (&record.job_id, &record.id_as_sent) {
+        let problem = validate::id_problem(sent, validate::MAX_ID_BYTES).unwrap_or_default();
+        return Outcome::Skipped {
+            why: format!("its job id is no valid id ({problem}): a replay would fail the same way; have its producer send it again under a valid id"),
+        };
+    }
     if record.job_id.is_none() && !filter.asks_for_unnamed(record) {
         let reason = if record.reason.is_empty() { "its reason" } else { record.reason.as_str() };
         return Outcome::Skipped {
@@ -562,6 +582,7 @@ mod tests {
             subject: "shots.failed.p1.acme".into(),
             project: Some("acme".into()),
             job_id: job.map(Into::into),
+            id_as_sent: None,
             reason: reason.into(),
             detail: String::new(),
             attempts: "1".into(),
@@ -584,6 +605,16 @@ mod tests {
         assert!(check_subject(&record(Some("j"), "oom", None)).unwrap_err().contains("no Shotfleet-Original-Subject"));
         assert!(check_subject(&record(Some("j"), "oom", Some("shots.failed.p1.acme"))).is_err());
         assert!(check_subject(&record(Some("j"), "oom", Some("shots.p1.m.*"))).is_err());
+    }
+
+    #[test]
+    fn a_record_whose_id_is_no_id_is_named_and_found_by_it() {
+        let sent = FailedRecord { id_as_sent: Some("ep1.s1".into()), ..record(None, "invalid", Some("shots.p1.m.acme")) };
+        assert_eq!(sent.job_name(), r#""ep1.s1" (no valid id)"#);
+        let by_id = Filter { jobs: vec!["ep1.s1".into()], ..Default::default() };
+        assert!(by_id.matches(&sent));
+        let hostile = FailedRecord { id_as_sent: Some(format!("a\r\n{}", "x".repeat(100))), ..sent };
+        assert!(hostile.job_name().len() < 60 && !hostile.job_name().contains('\n'), "{}", hostile.job_name());
     }
 
     #[test]

@@ -193,8 +193,7 @@ fn known_fields(line: usize, mut object: Map<String, Value>, ignore: &[String]) 
 /// `did you mean `name`? ` for the known name nearest to `unknown` (a typo or two away), else
 /// nothing.
 fn nearest(unknown: &str, known: &[&str]) -> String {
-    let near = known.iter().map(|known| (strsim::levenshtein(&unknown.to_lowercase(), known), known)).min_by_key(|(distance, _)| *distance);
-    near.filter(|(distance, _)| *distance <= 2).map(|(_, known)| format!("did you mean `{known}`? ")).unwrap_or_default()
+    shotfleet_schema::names::nearest(unknown, known).map(|known| format!("did you mean `{known}`? ")).unwrap_or_default()
 }
 
 /// Columns that hold numbers; everything else is text.

@@ -4,13 +4,17 @@
 //! they are. Decoding is strict about what matters (the version, types, size) and lenient about
 //! what does not (unknown fields are ignored, for forward compatibility).
 
-use serde::de::DeserializeOwned;
+use std::collections::BTreeMap;
+use std::ops::Range;
+
+use serde::de::{DeserializeOwned, IgnoredAny};
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
 use crate::VERSION;
-use crate::job::{JobIds, ShotJob};
+use crate::job::{FIELDS, JobIds, ShotJob};
 use crate::validate::{Limits, MAX_ID_BYTES, ValidationError, id_problem};
+use crate::wire;
 
 /// The `Content-Type` header's name.
 pub const HEADER: &str = "Content-Type";
@@ -127,7 +131,7 @@ pub fn decode_job(content_type: Option<&str>, payload: &[u8]) -> Result<ShotJob,
         return Err(DecodeError::Malformed { format: content_type.name(), path: ".".into(), detail });
     }
     let probe: VersionProbe = decode(content_type, payload)?;
-    match probe.v {
+    match probe.v.map(|v| v.0) {
         None => return Err(DecodeError::MissingVersion),
         Some(v) if v != u64::from(VERSION) => {
             return Err(DecodeError::UnsupportedVersion { found: v });
@@ -144,28 +148,55 @@ pub fn decode_job(content_type: Option<&str>, payload: &[u8]) -> Result<ShotJob,
 /// (where its outcome belongs, whatever the payload says). Reads the payload as its header
 /// says, else as JSON, else as MessagePack; `None` when no `job_id` can be read.
 pub fn read_ids(content_type: Option<&str>, payload: &[u8], subject_project: &str) -> Option<JobIds> {
-    #[derive(Deserialize)]
-    struct IdsProbe {
-        #[serde(default)]
-        job_id: Option<serde_json::Value>,
-        #[serde(default)]
-        shot_id: Option<serde_json::Value>,
-    }
-    let payload = payload.strip_prefix(BOM).unwrap_or(payload);
-    let declared = ContentType::from_header(content_type).ok();
-    // Leniently: a payload refused for its size or for bytes after the job still names it.
-    let probe: IdsProbe = [declared, Some(ContentType::Json), Some(ContentType::MessagePack)]
-        .into_iter()
-        .flatten()
-        // A map, not fields in order: an array's first strings name no job.
-        .filter(|content_type| starts_as_map(*content_type, payload))
-        .find_map(|content_type| parse(content_type, payload, Rest::Ignored).ok())?;
+    let probe = probe_ids(content_type, payload)?;
     // Values, not strings, so that a wrongly typed id does not hide the other one.
     let id = |value: Option<serde_json::Value>| {
         value.and_then(|v| v.as_str().map(str::to_owned)).filter(|id| id_problem(id, MAX_ID_BYTES).is_none())
     };
     let job_id = id(probe.job_id)?;
     Some(JobIds { job_id, project: subject_project.to_owned(), shot_id: id(probe.shot_id).unwrap_or_default() })
+}
+
+/// The `job_id` a payload holds as a string, valid id or not, read as [`read_ids`] reads: for
+/// naming a failed job whose id is no id (`a.b`, too long), which [`read_ids`] leaves out.
+pub fn read_job_id_as_sent(content_type: Option<&str>, payload: &[u8]) -> Option<String> {
+    probe_ids(content_type, payload)?.job_id.and_then(|id| id.as_str().map(str::to_owned))
+}
+
+/// A payload's ids, as values.
+#[derive(Deserialize)]
+struct IdsProbe {
+    #[serde(default)]
+    job_id: Option<serde_json::Value>,
+    #[serde(default)]
+    shot_id: Option<serde_json::Value>,
+}
+
+/// Reads a payload's ids leniently: as its header says, else as JSON, else as MessagePack; a
+/// payload refused for its size or for bytes after the job, or holding Python's `NaN`, still
+/// names its job.
+fn probe_ids(content_type: Option<&str>, payload: &[u8]) -> Option<IdsProbe> {
+    let payload = payload.strip_prefix(BOM).unwrap_or(payload);
+    let declared = ContentType::from_header(content_type).ok();
+    let probe = |payload: &[u8]| -> Option<IdsProbe> {
+        [declared, Some(ContentType::Json), Some(ContentType::MessagePack)]
+            .into_iter()
+            .flatten()
+            // A map, not fields in order: an array's first strings name no job.
+            .filter(|content_type| starts_as_map(*content_type, payload))
+            .find_map(|content_type| parse(content_type, payload, Rest::Ignored).ok())
+    };
+    probe(payload).or_else(|| probe(&non_finite_as_null(payload)?))
+}
+
+/// The top-level fields of a job payload that contract v1 does not know, sorted: ignored when
+/// the job is read (a newer producer's optional fields), and named by a worker in the result's
+/// notes, so that a misspelt optional field (`lora`, `negativePrompt`) is not dropped unsaid.
+/// Empty for a payload that is no map.
+pub fn unknown_job_fields(content_type: Option<&str>, payload: &[u8]) -> Vec<String> {
+    let Ok(content_type) = ContentType::from_header(content_type) else { return Vec::new() };
+    let Ok(fields) = decode::<BTreeMap<String, IgnoredAny>>(content_type, payload) else { return Vec::new() };
+    fields.into_keys().filter(|field| !FIELDS.contains(&field.as_str())).collect()
 }
 
 /// Decodes then validates a job: what a worker does with every message it fetches.
@@ -236,7 +267,7 @@ fn parse<T: DeserializeOwned>(content_type: ContentType, payload: &[u8], rest: R
             }
             let mut de = serde_json::Deserializer::from_slice(payload);
             let value = serde_path_to_error::deserialize(&mut de)
-                .map_err(|e| misnamed(malformed(content_type, e)))?;
+                .map_err(|e| not_json_numbers(misnamed(malformed(content_type, e)), payload))?;
             if rest == Rest::Refused {
                 de.end().map_err(|e| DecodeError::Malformed { format: content_type.name(), path: ".".into(), detail: e.to_string() })?;
             }
@@ -275,6 +306,65 @@ fn malformed<E: std::fmt::Display>(
     }
 }
 
+/// Where a JSON payload holds `NaN`, `Infinity` or `-Infinity` as a value: no JSON, but what
+/// Python's `json.dumps` writes for such floats unless told `allow_nan=False`.
+fn non_finite_literals(payload: &[u8]) -> Vec<Range<usize>> {
+    const LITERALS: [&[u8]; 3] = [b"NaN", b"Infinity", b"-Infinity"];
+    let mut found = Vec::new();
+    let (mut in_string, mut escaped) = (false, false);
+    let mut at = 0;
+    while at < payload.len() {
+        let byte = payload[at];
+        if in_string {
+            match byte {
+                _ if escaped => escaped = false,
+                b'\\' => escaped = true,
+                b'"' => in_string = false,
+                _ => {}
+            }
+        } else if byte == b'"' {
+            in_string = true;
+        } else if let Some(literal) = LITERALS.iter().find(|literal| payload[at..].starts_with(literal)) {
+            found.push(at..at + literal.len());
+            at += literal.len();
+            continue;
+        }
+        at += 1;
+    }
+    found
+}
+
+/// The payload with each of its [`non_finite_literals`] read as `null`; `None` when it has none.
+fn non_finite_as_null(payload: &[u8]) -> Option<Vec<u8>> {
+    let literals = non_finite_literals(payload);
+    if literals.is_empty() {
+        return None;
+    }
+    let mut nulled = Vec::with_capacity(payload.len());
+    let mut from = 0;
+    for literal in literals {
+        nulled.extend_from_slice(&payload[from..literal.start]);
+        nulled.extend_from_slice(b"null");
+        from = literal.end;
+    }
+    nulled.extend_from_slice(&payload[from..]);
+    Some(nulled)
+}
+
+/// A JSON error, told why when the payload holds [`non_finite_literals`].
+fn not_json_numbers(error: DecodeError, payload: &[u8]) -> DecodeError {
+    match error {
+        DecodeError::Malformed { format, path, detail } if !non_finite_literals(payload).is_empty() => DecodeError::Malformed {
+            format,
+            path,
+            detail: format!(
+                "{detail} (NaN and Infinity are no JSON numbers: Python's json.dumps writes them unless given allow_nan=False; send finite numbers)"
+            ),
+        },
+        error => error,
+    }
+}
+
 /// Whether the payload starts as a map: `{` in JSON (after white space), a map marker in
 /// MessagePack (fixmap, map 16, map 32).
 fn starts_as_map(content_type: ContentType, payload: &[u8]) -> bool {
@@ -299,7 +389,7 @@ fn is_a_map(content_type: ContentType, payload: &[u8]) -> bool {
 #[derive(Deserialize)]
 struct VersionProbe {
     #[serde(default)]
-    v: Option<u64>,
+    v: Option<wire::Whole<u64>>,
 }
 
 #[cfg(test)]

@@ -4,12 +4,15 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 use crate::class::MemoryClass;
+use crate::wire;
 
 /// One storyboard shot to render: a prompt and its parameters, and how many images of it.
 ///
 /// The priority is not a field: it is the subject's (`shots.<prio>.<class>.<project>`), so that a
 /// worker can choose what to fetch without opening payloads. Unknown fields are ignored, so a
-/// newer producer can add optional fields without breaking older workers. The bounds below say
+/// newer producer can add optional fields without breaking older workers; a worker names them
+/// in the result's notes, so that a misspelt field (`lora`) is not dropped unsaid. Numbers and
+/// `null`s are read as `wire` says: `128.0` is 128, `images: null` is one image. The bounds below say
 /// "by default": a worker enforces its own `[limits]`, and refuses a job outside them as
 /// `invalid` with the field named.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
@@ -17,6 +20,7 @@ use crate::class::MemoryClass;
 pub struct ShotJob {
     /// Contract version; must be 1.
     #[schemars(range(min = 1, max = 1))]
+    #[serde(deserialize_with = "wire::whole")]
     pub v: u32,
     /// Unique per job; the deduplication key (`Nats-Msg-Id`). Letters, digits, `_` and `-`.
     #[schemars(length(min = 1, max = 96), regex(pattern = r"^[A-Za-z0-9_-]+$"))]
@@ -36,24 +40,30 @@ pub struct ShotJob {
     /// Image width in pixels: a positive multiple of 8 (the model may ask for 16 or 64), in
     /// 64..=2048 by default; width x height x images x steps at most 1,000 million by default.
     #[schemars(range(min = 8))]
+    #[serde(deserialize_with = "wire::whole")]
     pub width: u32,
     /// Image height in pixels: as `width`.
     #[schemars(range(min = 8))]
+    #[serde(deserialize_with = "wire::whole")]
     pub height: u32,
     /// Denoising steps, 1..=150 by default.
     #[schemars(range(min = 1))]
+    #[serde(deserialize_with = "wire::whole")]
     pub steps: u32,
     /// Classifier-free guidance scale (finite), 0..=30 by default.
+    #[serde(deserialize_with = "wire::float32")]
     pub guidance: f32,
     /// Seed of image 0; image `i` uses the noise of (`seed`, `i`), however the images are batched.
+    #[serde(deserialize_with = "wire::whole")]
     pub seed: u64,
-    /// How many images of this shot to render, 1..=8 by default.
-    #[serde(default = "one")]
-    #[schemars(range(min = 1))]
+    /// How many images of this shot to render, 1..=8 by default; absent or `null` is 1.
+    #[serde(default = "one", deserialize_with = "wire::images")]
+    #[schemars(with = "Option<u32>", range(min = 1))]
     pub images: u32,
     /// LoRA adapters to apply, by name, with their weights; each name at most once; at most 8
-    /// by default.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    /// by default. Absent, `null` or empty is none.
+    #[serde(default, skip_serializing_if = "Vec::is_empty", deserialize_with = "wire::null_as_default")]
+    #[schemars(with = "Option<Vec<Lora>>")]
     pub loras: Vec<Lora>,
     /// The least a degraded render may fall to; absent means the job must not be degraded
     /// below the ladder's own lower end.
@@ -64,6 +74,13 @@ pub struct ShotJob {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub degrade: Option<Degrade>,
 }
+
+/// A job's fields on the wire, as [`ShotJob`] names them (a test holds the two together): what
+/// a worker tells from the fields a payload has that it ignores.
+pub const FIELDS: [&str; 15] = [
+    "v", "job_id", "project", "shot_id", "prompt", "negative_prompt", "width", "height", "steps", "guidance", "seed", "images",
+    "loras", "floor", "degrade",
+];
 
 fn one() -> u32 {
     1
@@ -76,6 +93,7 @@ pub struct Lora {
     #[schemars(length(min = 1, max = 96), regex(pattern = r"^[A-Za-z0-9_.-]+$"))]
     pub name: String,
     /// Strength, finite, in -4..=4 by default.
+    #[serde(deserialize_with = "wire::float32")]
     pub weight: f32,
 }
 
@@ -83,10 +101,11 @@ pub struct Lora {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 pub struct Floor {
     /// The shorter image side may not fall below this many pixels.
+    #[serde(deserialize_with = "wire::whole")]
     pub min_side: u32,
     /// Accepted and kept for producers that set it, but no rung lowers steps: fewer steps do
     /// not lower peak memory. 0 or absent: unset.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "wire::whole")]
     pub min_steps: u32,
 }
 

@@ -13,6 +13,7 @@
 //! - [`progress`]: progress events of jobs in a worker's hands, and a worker's state.
 //! - [`cancel`]: cancel requests and their replies.
 //! - [`names`]: wire enums' names, lists and parse messages.
+//! - `wire`: how a job's numbers and `null`s are read from what other languages send.
 //! - [`json_schema`]: the JSON Schema other languages can validate against.
 //! - [`store`]: a `file://` store's folder, as the workers and the CLI open it.
 //! - `nats` (feature `nats`): connecting, and creating the streams and consumers both sides use.
@@ -35,6 +36,7 @@ pub mod result;
 pub mod store;
 pub mod subject;
 pub mod validate;
+mod wire;
 
 pub use class::MemoryClass;
 pub use encoding::{ContentType, DecodeError, InvalidJob};

@@ -41,6 +41,14 @@ pub fn unknown<T: Named>(text: &str) -> String {
     format!("unknown {} `{text}`; expected {}", T::WHAT, listed::<T>())
 }
 
+/// The known name nearest to `unknown` (case aside), when it is a typo or two away: for "did you
+/// mean" in messages about a misspelt field or column.
+pub fn nearest<'a>(unknown: &str, known: &[&'a str]) -> Option<&'a str> {
+    let unknown = unknown.to_lowercase();
+    let near = known.iter().map(|known| (strsim::levenshtein(&unknown, known), *known)).min_by_key(|(distance, _)| *distance);
+    near.filter(|(distance, _)| *distance <= 2).map(|(_, known)| known)
+}
+
 /// The names, `a, b or c`.
 pub fn listed<T: Named>() -> String {
     let names: Vec<&str> = T::VARIANTS.iter().map(|v| (*v).into()).collect();

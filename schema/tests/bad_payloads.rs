@@ -51,6 +51,12 @@ fn decode_errors_are_specific() {
     check("huge number", None, &json_with("width", "99999999999999"), Expect::Decode("at `width`"));
     check("seed beyond u64", None, &json_with("seed", "1e30"), Expect::Decode("at `seed`"));
     check("lora not a list", None, &json_with("loras", "{}"), Expect::Decode("at `loras`"));
+    check("fraction for an integer", None, &json_with("steps", "20.5"), Expect::Decode("20.5 is not a whole number"));
+    check("guidance past f32", None, &json_with("guidance", "1e308"), Expect::Decode("1e308 is past what a 32-bit float holds"));
+    // Python's json.dumps writes these unless told allow_nan=False.
+    let python = |literal: &str| GOOD.replace(r#""guidance":5.0"#, &format!(r#""guidance":{literal}"#)).into_bytes();
+    check("python NaN", None, &python("NaN"), Expect::Decode("allow_nan=False"));
+    check("python -Infinity", None, &python("-Infinity"), Expect::Decode("allow_nan=False"));
     // An unknown field nested deeper than any stack: named, never a crash (it aborted workers).
     let mut deep = msgpack(&good);
     deep[0] += 1; // one more field in the top map (fixmap: the low nibble is its length)
@@ -193,6 +199,13 @@ fn a_payload_that_does_not_decode_may_still_name_its_job() {
     assert_eq!(ids(Some("text/plain"), wrong), named("j1", "s1"));
     let packed = msgpack(&serde_json::json!({"job_id": "j3", "shot_id": 7, "width": "wide"}));
     assert_eq!(ids(None, &packed), named("j3", ""), "a shot id of the wrong type is left empty");
+    // A float Python wrote as NaN (no JSON) hides no id; the same words inside strings are text.
+    let python = br#"{"v":1,"job_id":"j5","shot_id":"s5","guidance":NaN,"seed":-Infinity,"prompt":"NaN \"Infinity\""}"#;
+    assert_eq!(ids(None, python), named("j5", "s5"));
+    // An id that is no id is still read as sent, for a person looking for the job by it.
+    use shotfleet_schema::encoding::read_job_id_as_sent;
+    assert_eq!(read_job_id_as_sent(None, br#"{"v":1,"job_id":"a/b"}"#).as_deref(), Some("a/b"));
+    assert_eq!(read_job_id_as_sent(None, br#"{"v":1,"job_id":7}"#), None);
     // Nothing to name it by: no id, an id that is no id, not a map, not a payload at all.
     assert_eq!(ids(None, br#"{"v":1,"job_id":7}"#), None);
     assert_eq!(ids(None, br#"{"v":1,"job_id":"a/b"}"#), None);

@@ -59,6 +59,39 @@ fn unknown_fields_are_ignored_for_forward_compatibility() {
         "width":512,"height":512,"steps":20,"guidance":5,"seed":7,
         "style_hint":"noir","extra":{"nested":[1,2,3]}}"#;
     assert!(decode_job(Some("application/json"), payload).is_ok());
+    // Ignored, but named: a worker's result notes them.
+    assert_eq!(encoding::unknown_job_fields(None, payload), ["extra", "style_hint"]);
+    let known = encoding::encode(ContentType::MessagePack, &sample_job());
+    assert!(encoding::unknown_job_fields(Some(ContentType::MessagePack.as_str()), &known).is_empty());
+}
+
+#[test]
+fn the_field_list_is_the_jobs() {
+    let docs = shotfleet_schema::json_schema::documents();
+    let job: serde_json::Value = serde_json::from_str(&docs[0].1).unwrap();
+    let mut properties: Vec<&str> = job["properties"].as_object().unwrap().keys().map(String::as_str).collect();
+    let mut fields = shotfleet_schema::job::FIELDS.to_vec();
+    properties.sort_unstable();
+    fields.sort_unstable();
+    assert_eq!(properties, fields);
+}
+
+#[test]
+fn what_other_languages_write_for_numbers_and_unset_fields_reads_as_meant() {
+    // Python's json.dumps of floats that hold whole numbers, and of None for optional fields.
+    let payload = br#"{"v":1.0,"job_id":"j1","project":"p","shot_id":"s","prompt":"x","negative_prompt":null,
+        "width":768.0,"height":1.024e3,"steps":20.0,"guidance":5,"seed":7.0,"images":null,"loras":null,"floor":null}"#;
+    let job = parse_job(None, payload, &Limits::default()).unwrap();
+    assert_eq!((job.v, job.width, job.height, job.steps, job.seed, job.images), (1, 768, 1024, 20, 7, 1));
+    assert!(job.loras.is_empty() && job.floor.is_none() && job.negative().is_none());
+    let msgpack = rmp_serde::to_vec_named(&serde_json::json!({
+        "v": 1, "job_id": "j1", "project": "p", "shot_id": "s", "prompt": "x",
+        "width": 512.0, "height": 512, "steps": 20, "guidance": 5.0, "seed": 7, "images": 2.0,
+        "loras": [{"name": "kai", "weight": 1}],
+    }))
+    .unwrap();
+    let job = parse_job(Some("application/msgpack"), &msgpack, &Limits::default()).unwrap();
+    assert_eq!((job.width, job.images, job.loras[0].weight.to_bits()), (512, 2, 1.0f32.to_bits()));
 }
 
 #[test]

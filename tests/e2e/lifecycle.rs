@@ -72,6 +72,17 @@ async fn a_job_id_with_a_line_break_ends_as_one_invalid_record_and_the_worker_li
     assert!(!worker.log().contains("panicked"), "{}", worker.log());
     wait_settled(&js, Duration::from_secs(10)).await;
     assert_eq!(failed_records(&js).await.len(), 1, "one record, not one per delivery");
+
+    // `replay --job` finds it by the id it was sent with, and skips it: it would fail again.
+    let filter = shotfleet_producer::replay::Filter { jobs: vec!["evil-1\r\nNats-Msg-Id: x".into()], ..Default::default() };
+    let mut seen = Vec::new();
+    let summary = shotfleet_producer::replay::replay(&js, &filter, false, |record, outcome| seen.push((record.job_name(), format!("{outcome:?}"))))
+        .await
+        .unwrap();
+    assert_eq!(summary.matched, 1, "{seen:?}");
+    assert_eq!(seen[0].0, r#""evil-1  Nats-Msg-Id: x" (no valid id)"#);
+    assert!(seen[0].1.contains("Skipped") && seen[0].1.contains("a replay would fail the same way"), "{seen:?}");
+    assert_eq!(failed_records(&js).await.len(), 1, "kept");
 }
 
 #[tokio::test]

@@ -28,6 +28,15 @@ async fn renders_stores_reports_and_acks() {
         shot(Priority::P2, long),
     ];
     submit(&js, &shots).await;
+    // As Python's json.dumps writes a job built with floats and Nones, and with two fields no
+    // job has: `lora` (for `loras`) and one of the client's own.
+    let python = br#"{"v": 1, "job_id": "a3", "project": "acme", "shot_id": "shot-a3", "prompt": "a red kite", "negative_prompt": null,
+        "width": 64.0, "height": 64.0, "steps": 3.0, "guidance": 5.0, "seed": 7, "images": null, "loras": null, "floor": null,
+        "lora": [{"name": "kai", "weight": 0.8}], "client_ref": "row 12"}"#;
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert("Nats-Msg-Id", "acme/a3");
+    js.publish_with_headers("shots.p1.xs.acme", headers, python.as_slice().into()).await.unwrap().await.unwrap();
+    let shots = [shots, vec![shot(Priority::P1, job("a3", "acme", (64, 64), 3, 1))]].concat();
     let outcomes = outcomes(&js, &shots, Duration::from_secs(120)).await;
     for result in results(&outcomes) {
         check_store(store.path(), &result);
@@ -58,6 +67,9 @@ async fn renders_stores_reports_and_acks() {
     for result in results(&outcomes) {
         let cut_note = result.notes.iter().any(|n| n.starts_with("prompt cut at the text encoders' 77 tokens: its last "));
         assert_eq!(cut_note, result.job_id == "b1", "{}: {:?}", result.job_id, result.notes);
+        // The fields no job has are named, the misspelt one with the field it is near.
+        let ignored = "ignored, not fields of a job (contract v1): `client_ref`, `lora` (did you mean `loras`?)";
+        assert_eq!(result.notes.iter().any(|n| n == ignored), result.job_id == "a3", "{}: {:?}", result.job_id, result.notes);
     }
 }
 
@@ -244,6 +256,19 @@ async fn invalid_jobs_go_to_the_failed_stream_with_reasons() {
         shotfleet_producer::wait::Outcome::Failed { reason, detail, .. } => {
             assert_eq!(reason, "invalid");
             assert!(detail.contains("version 2"), "{detail}");
+        }
+        other => panic!("expected a failed outcome: {other:?}"),
+    }
+
+    // Python's json.dumps of a NaN guidance: no JSON, but its producer still hears why.
+    let python = br#"{"v": 1, "job_id": "nan-1", "project": "acme", "shot_id": "s1", "prompt": "a cat", "width": 64, "height": 64, "steps": 2, "guidance": NaN, "seed": 1}"#;
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert("Nats-Msg-Id", "acme/nan-1");
+    js.publish_with_headers("shots.p0.xs.acme", headers, python.as_slice().into()).await.unwrap().await.unwrap();
+    match &outcomes(&js, &[named("nan-1")], Duration::from_secs(30)).await["nan-1"] {
+        shotfleet_producer::wait::Outcome::Failed { reason, detail, .. } => {
+            assert_eq!(reason, "invalid");
+            assert!(detail.contains("allow_nan=False"), "{detail}");
         }
         other => panic!("expected a failed outcome: {other:?}"),
     }

@@ -6,6 +6,9 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use shotfleet_schema::encoding::{self, DecodeError, InvalidJob};
+use shotfleet_schema::failure::one_line;
+use shotfleet_schema::job::FIELDS;
+use shotfleet_schema::names;
 use shotfleet_schema::validate::{Problem, ValidationError};
 use shotfleet_schema::progress::ProgressEvent;
 use shotfleet_schema::{ResultStatus, ShotJob};
@@ -174,7 +177,10 @@ pub(crate) async fn take(shared: &Shared, kept: Kept) -> (Taken, Next) {
         }
     }
     let notes = match (&job, &next) {
-        (Some(job), Next::Render) => cut_prompts(shared, job),
+        (Some(job), Next::Render) => {
+            let ignored = ignored_fields(job, content_type.as_deref(), &delivery.message.payload);
+            ignored.into_iter().chain(cut_prompts(shared, job)).collect()
+        }
         _ => Vec::new(),
     };
     let (reporter, watch) = match (&job, &next, subscribed) {
@@ -187,6 +193,34 @@ pub(crate) async fn take(shared: &Shared, kept: Kept) -> (Taken, Next) {
         _ => (None, OutcomeWatch::none()),
     };
     (Taken { delivery, job, last_outcome, set, reporter, watch, notes, _holding: holding.flatten(), _alive, _in_flight }, next)
+}
+
+/// The payload's fields that are no job's: ignored, as a newer producer's optional fields must
+/// be, but named in the log and in a note for the result, so that a misspelt one (`lora` for
+/// `loras`) does not render the shot without it unsaid.
+fn ignored_fields(job: &ShotJob, content_type: Option<&str>, payload: &[u8]) -> Option<String> {
+    /// Named in full; the rest are counted (a client may send many fields of its own).
+    const NAMED: usize = 8;
+    let unknown = encoding::unknown_job_fields(content_type, payload);
+    if unknown.is_empty() {
+        return None;
+    }
+    warn!(job = %job.job_id, fields = ?unknown, "the job has fields that are no job's (contract v1): ignored");
+    let mut named: Vec<String> = unknown
+        .iter()
+        .take(NAMED)
+        .map(|field| {
+            let shown = one_line(field, 64);
+            match names::nearest(field, &FIELDS) {
+                Some(near) => format!("`{shown}` (did you mean `{near}`?)"),
+                None => format!("`{shown}`"),
+            }
+        })
+        .collect();
+    if unknown.len() > NAMED {
+        named.push(format!("{} more", unknown.len() - NAMED));
+    }
+    Some(format!("ignored, not fields of a job (contract v1): {}", named.join(", ")))
 }
 
 /// When the text encoders will not read all of a job's prompt (CLIP reads 77 tokens, 75
