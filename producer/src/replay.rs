@@ -117,9 +117,12 @@ impl FailedRecord {
         let subject = message.subject.to_string();
         let job_id = header(failure::JOB_ID).filter(|id| !id.is_empty());
         let content_type = header(failure::CONTENT_TYPE);
+        // Only an id that is no id: a record can lack the header for other reasons (an
+        // original subject that names no project, a record written by an older worker).
         let id_as_sent = match job_id {
             Some(_) => None,
-            None => shotfleet_schema::encoding::read_job_id_as_sent(content_type.as_deref(), &message.payload),
+            None => shotfleet_schema::encoding::read_job_id_as_sent(content_type.as_deref(), &message.payload)
+                .filter(|sent| validate::id_problem(sent, validate::MAX_ID_BYTES).is_some()),
         };
         Self {
             seq: message.sequence,
@@ -351,8 +354,8 @@ async fn settle(
     record: &FailedRecord,
     dry_run: bool,
 ) -> Outcome {
-    if let (None, Some(sent)) = (&record.job_id, &record.id_as_sent) {
-        let problem = validate::id_problem(sent, validate::MAX_ID_BYTES).unwrap_or_default();
+    let no_id = record.id_as_sent.as_deref().and_then(|sent| validate::id_problem(sent, validate::MAX_ID_BYTES));
+    if let (None, Some(problem)) = (&record.job_id, no_id) {
         return Outcome::Skipped {
             why: format!("its job id is no valid id ({problem}): a replay would fail the same way; have its producer send it again under a valid id"),
         };

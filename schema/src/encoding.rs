@@ -186,7 +186,10 @@ fn probe_ids(content_type: Option<&str>, payload: &[u8]) -> Option<IdsProbe> {
             .filter(|content_type| starts_as_map(*content_type, payload))
             .find_map(|content_type| parse(content_type, payload, Rest::Ignored).ok())
     };
-    probe(payload).or_else(|| probe(&non_finite_as_null(payload)?))
+    probe(payload).or_else(|| {
+        let nulled = non_finite_as_null(payload)?;
+        parse(ContentType::Json, &nulled, Rest::Ignored).ok()
+    })
 }
 
 /// The top-level fields of a job payload that contract v1 does not know, sorted: ignored when
@@ -334,8 +337,12 @@ fn non_finite_literals(payload: &[u8]) -> Vec<Range<usize>> {
     found
 }
 
-/// The payload with each of its [`non_finite_literals`] read as `null`; `None` when it has none.
+/// A JSON payload with each of its [`non_finite_literals`] read as `null`; `None` when it has
+/// none, or is no JSON map (MessagePack's strings have no quotes to skip them by).
 fn non_finite_as_null(payload: &[u8]) -> Option<Vec<u8>> {
+    if !starts_as_map(ContentType::Json, payload) {
+        return None;
+    }
     let literals = non_finite_literals(payload);
     if literals.is_empty() {
         return None;
@@ -354,13 +361,17 @@ fn non_finite_as_null(payload: &[u8]) -> Option<Vec<u8>> {
 /// A JSON error, told why when the payload holds [`non_finite_literals`].
 fn not_json_numbers(error: DecodeError, payload: &[u8]) -> DecodeError {
     match error {
-        DecodeError::Malformed { format, path, detail } if !non_finite_literals(payload).is_empty() => DecodeError::Malformed {
+        DecodeError::Malformed { format, path, detail }
+            if starts_as_map(ContentType::Json, payload) && !non_finite_literals(payload).is_empty() =>
+        {
+            DecodeError::Malformed {
             format,
             path,
             detail: format!(
-                "{detail} (NaN and Infinity are no JSON numbers: Python's json.dumps writes them unless given allow_nan=False; send finite numbers)"
-            ),
-        },
+                    "{detail} (NaN and Infinity are no JSON numbers: Python's json.dumps writes them unless given allow_nan=False; send finite numbers)"
+                ),
+            }
+        }
         error => error,
     }
 }

@@ -54,6 +54,8 @@ pub struct ShotJob {
     #[serde(deserialize_with = "wire::float32")]
     pub guidance: f32,
     /// Seed of image 0; image `i` uses the noise of (`seed`, `i`), however the images are batched.
+    /// Sent as an integer: a float from 2^53 on is refused, since it no longer holds every
+    /// integer (`1e19` is valid JSON Schema `integer` but not a seed a worker takes).
     #[serde(deserialize_with = "wire::whole")]
     pub seed: u64,
     /// How many images of this shot to render, 1..=8 by default; absent or `null` is 1.

@@ -41,12 +41,13 @@ pub fn unknown<T: Named>(text: &str) -> String {
     format!("unknown {} `{text}`; expected {}", T::WHAT, listed::<T>())
 }
 
-/// The known name nearest to `unknown` (case aside), when it is a typo or two away: for "did you
-/// mean" in messages about a misspelt field or column.
+/// The known name nearest to `unknown` (case aside), when it is a typo or two away and the two
+/// share more than they differ (so `id` or `n` is not taken for `v`): for "did you mean" in
+/// messages about a misspelt field or column.
 pub fn nearest<'a>(unknown: &str, known: &[&'a str]) -> Option<&'a str> {
     let unknown = unknown.to_lowercase();
     let near = known.iter().map(|known| (strsim::levenshtein(&unknown, known), *known)).min_by_key(|(distance, _)| *distance);
-    near.filter(|(distance, _)| *distance <= 2).map(|(_, known)| known)
+    near.filter(|(distance, known)| *distance <= 2 && distance * 2 < unknown.chars().count().max(known.len())).map(|(_, known)| known)
 }
 
 /// The names, `a, b or c`.
@@ -56,5 +57,21 @@ pub fn listed<T: Named>() -> String {
         Some((last, [])) => (*last).to_owned(),
         Some((last, rest)) => format!("{} or {last}", rest.join(", ")),
         None => String::new(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::nearest;
+
+    #[test]
+    fn a_typo_is_near_its_field_and_a_short_name_is_near_nothing() {
+        let known = ["v", "width", "images", "loras", "negative_prompt"];
+        assert_eq!(nearest("lora", &known), Some("loras"));
+        assert_eq!(nearest("Widht", &known), Some("width"));
+        assert_eq!(nearest("negativ_prompt", &known), Some("negative_prompt"));
+        for far in ["id", "n", "", "ts", "client_ref"] {
+            assert_eq!(nearest(far, &known), None, "{far}");
+        }
     }
 }

@@ -19,7 +19,7 @@ use std::marker::PhantomData;
 use serde::de::{self, Deserializer, Visitor};
 use serde::Deserialize;
 
-/// The largest integer a 64-bit float holds exactly.
+/// 2^53: from here on a 64-bit float no longer holds every integer (2^53 + 1 reads as 2^53).
 const EXACT_IN_FLOAT: f64 = 9_007_199_254_740_992.0;
 
 /// An unsigned integer field's type: its largest value.
@@ -55,11 +55,14 @@ pub(crate) fn null_as_default<'de, D: Deserializer<'de>, T: Deserialize<'de> + D
 /// names them with the field's bounds.
 pub(crate) fn float32<'de, D: Deserializer<'de>>(deserializer: D) -> Result<f32, D::Error> {
     let value = f64::deserialize(deserializer)?;
-    if value.is_finite() && value.abs() > f64::from(f32::MAX) {
+    #[allow(clippy::cast_possible_truncation)] // Rounds to the nearest; past the range, infinite.
+    let narrowed = value as f32;
+    // A finite value that rounds to infinity, not one printed as `3.4028235e38` (the largest
+    // 32-bit float as every language prints it, a hair above it as a 64-bit float).
+    if value.is_finite() && narrowed.is_infinite() {
         return Err(de::Error::custom(format!("{value:e} is past what a 32-bit float holds (about ±3.4e38)")));
     }
-    #[allow(clippy::cast_possible_truncation)] // In range, checked above: only precision is lost.
-    Ok(value as f32)
+    Ok(narrowed)
 }
 
 /// A whole number, for fields read through [`Option`].
@@ -110,11 +113,13 @@ impl<T: Unsigned> Visitor<'_> for WholeVisitor<T> {
     }
 
     fn visit_f64<E: de::Error>(self, value: f64) -> Result<T, E> {
+        // `{:?}`: 1e-320 or -1e300 in a few characters, not hundreds of digits that would push
+        // the reason off the end of a detail cut at 300 bytes.
         if value.is_nan() || value.fract() != 0.0 {
-            return Err(E::custom(format!("{value} is not a whole number; expected {}", Expecting(&self))));
+            return Err(E::custom(format!("{value:?} is not a whole number; expected {}", Expecting(&self))));
         }
         if value < 0.0 {
-            return Err(E::custom(format!("{value} is negative; expected {}", Expecting(&self))));
+            return Err(E::custom(format!("{value:?} is negative; expected {}", Expecting(&self))));
         }
         // An integer too large for 64 bits reaches here too, as serde_json reads it. `MAX + 1`
         // is exact as a float (a power of two), where u64's `MAX` itself rounds up to it.
@@ -122,12 +127,12 @@ impl<T: Unsigned> Visitor<'_> for WholeVisitor<T> {
         if value >= T::MAX as f64 + 1.0 {
             return Err(Self::past_max(format_args!("{value:e}")));
         }
-        if value > EXACT_IN_FLOAT {
+        if value >= EXACT_IN_FLOAT {
             return Err(E::custom(format!(
-                "{value:e} was sent as a float, which keeps no more than 2^53 exactly: send the integer itself, without a decimal point or exponent"
+                "{value:e} was sent as a float, which holds every integer only below 2^53: send the integer itself, without a decimal point or exponent"
             )));
         }
-        #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)] // Whole, 0..=2^53.
+        #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)] // Whole, 0..2^53.
         self.visit_u64(value as u64)
     }
 
@@ -173,7 +178,9 @@ mod tests {
         assert_eq!(read(r#"{"small": 128.0}"#).unwrap().small, 128);
         assert_eq!(read(r#"{"small": 1.28e2}"#).unwrap().small, 128);
         assert_eq!(read(r#"{"small": 1, "seed": 18446744073709551615}"#).unwrap().seed, u64::MAX);
-        assert_eq!(read(r#"{"small": 1, "seed": 9007199254740992.0}"#).unwrap().seed, 1 << 53);
+        assert_eq!(read(r#"{"small": 1, "seed": 9007199254740991.0}"#).unwrap().seed, (1 << 53) - 1);
+        assert_eq!(read(r#"{"small": -0.0}"#).unwrap().small, 0);
+        assert_eq!(read(r#"{"small": 4294967295.0}"#).unwrap().small, u32::MAX);
     }
 
     #[test]
@@ -184,7 +191,12 @@ mod tests {
         };
         refused(r#"{"small": 128.5}"#, "128.5 is not a whole number; expected a whole number in 0..=4294967295");
         refused(r#"{"small": -3}"#, "-3 is negative");
-        refused(r#"{"small": -3.0}"#, "-3 is negative");
+        refused(r#"{"small": -3.0}"#, "-3.0 is negative");
+        refused(r#"{"small": 1e-320}"#, "1e-320 is not a whole number");
+        refused(r#"{"small": -1e300}"#, "-1e300 is negative");
+        refused(r#"{"small": 4294967296.0}"#, "past the largest value this field holds, 4294967295");
+        // 2^53 + 1 written as a float reads as 2^53: neither is taken.
+        refused(r#"{"small": 1, "seed": 9007199254740993.0}"#, "below 2^53");
         refused(r#"{"small": 4294967296}"#, "4294967296 is past the largest value this field holds, 4294967295");
         refused(r#"{"small": "128"}"#, "expected a whole number");
         // 2^64: an integer serde_json can only read as a float.
@@ -196,6 +208,9 @@ mod tests {
     #[test]
     fn a_32_bit_float_keeps_its_value() {
         assert!((read(r#"{"small": 1, "scale": 7.5}"#).unwrap().scale - 7.5).abs() < f32::EPSILON);
+        // The largest 32-bit float, as serde_json, Python and JavaScript print it.
+        let largest = serde_json::to_string(&f32::MAX).unwrap();
+        assert_eq!(read(&format!(r#"{{"small": 1, "scale": {largest}}}"#)).unwrap().scale, f32::MAX);
         assert!((read(r#"{"small": 1, "scale": 3}"#).unwrap().scale - 3.0).abs() < f32::EPSILON);
     }
 }

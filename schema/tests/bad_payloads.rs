@@ -57,6 +57,11 @@ fn decode_errors_are_specific() {
     let python = |literal: &str| GOOD.replace(r#""guidance":5.0"#, &format!(r#""guidance":{literal}"#)).into_bytes();
     check("python NaN", None, &python("NaN"), Expect::Decode("allow_nan=False"));
     check("python -Infinity", None, &python("-Infinity"), Expect::Decode("allow_nan=False"));
+    // MessagePack sent as JSON, its prompt holding the word: no Python to blame.
+    let mut pool: serde_json::Value = serde_json::from_str(GOOD).unwrap();
+    pool["prompt"] = "an Infinity pool at NaN o'clock".into();
+    let error = parse_job(None, &msgpack(&pool), &Limits::default()).unwrap_err().to_string();
+    assert!(error.contains("this looks like MessagePack") && !error.contains("allow_nan"), "{error}");
     // An unknown field nested deeper than any stack: named, never a crash (it aborted workers).
     let mut deep = msgpack(&good);
     deep[0] += 1; // one more field in the top map (fixmap: the low nibble is its length)

@@ -205,7 +205,8 @@ fn ignored_fields(job: &ShotJob, content_type: Option<&str>, payload: &[u8]) -> 
     if unknown.is_empty() {
         return None;
     }
-    warn!(job = %job.job_id, fields = ?unknown, "the job has fields that are no job's (contract v1): ignored");
+    let logged: Vec<String> = unknown.iter().take(NAMED).map(|field| one_line(field, 64)).collect();
+    warn!(job = %job.job_id, fields = ?logged, count = unknown.len(), "the job has fields that are no job's (contract v1): ignored");
     let mut named: Vec<String> = unknown
         .iter()
         .take(NAMED)
