@@ -28,7 +28,7 @@ use std::time::{Duration, SystemTime};
 use async_nats::jetstream::context::PublishErrorKind;
 use async_nats::jetstream::message::PublishMessage;
 use shotfleet_schema::encoding::{self, ContentType};
-use shotfleet_schema::nats::outcome::OutcomeError;
+use shotfleet_schema::nats::outcome::{FAILED_RECORD_HEADER, OutcomeError};
 use shotfleet_schema::validate::{MAX_ID_BYTES, MAX_PROJECT_BYTES, id_problem};
 use shotfleet_schema::{Degrade, Failure, ImageRef, JobIds, ResultStatus, ShotJob, ShotResult, Timing, subject};
 use tracing::warn;
@@ -66,7 +66,8 @@ pub enum Standing {
     /// The outcome settles the message ([`Outcome::settles`]): it is only swept and acked.
     Settled(Box<Outcome>),
     /// The message is a request of its own; its outcome claims over `last` (0: none).
-    Open { last: u64 },
+    /// `record`: the failed record of the failure it claims over, for a render to withdraw.
+    Open { last: u64, record: Option<u64> },
 }
 
 /// Looks up the last outcome of `project`/`job_id` and says whether it settles a message
@@ -82,10 +83,10 @@ pub enum Standing {
 pub async fn standing(shared: &Shared, project: &str, job_id: &str, sequence: u64, published: SystemTime) -> Result<Standing, JobError> {
     Ok(match shotfleet_schema::nats::outcome::last(&shared.results, project, job_id).await {
         Ok(Some(outcome)) if outcome.settles(sequence, published) => Standing::Settled(Box::new(outcome)),
-        Ok(last) => Standing::Open { last: last.map_or(0, |o| o.sequence) },
+        Ok(last) => Standing::Open { last: last.as_ref().map_or(0, |o| o.sequence), record: last.and_then(|o| o.failed_record) },
         Err(e @ OutcomeError::Unreadable { sequence: last, .. }) => {
             warn!(project, job = job_id, error = %e, "settling the job over a message that is no outcome");
-            Standing::Open { last }
+            Standing::Open { last, record: None }
         }
         Err(e) => return Err(JobError::transient(e.to_string())),
     })
@@ -106,7 +107,16 @@ pub enum Claim {
 /// # Errors
 /// A transient [`JobError`] when the publish or the look-up after a refusal failed.
 pub async fn claim(shared: &Shared, result: &ShotResult, expected: u64, stream_sequence: u64) -> Result<Claim, JobError> {
-    claim_as(shared, result, expected, subject::msg_id::outcome(&result.job_id, stream_sequence), stream_sequence).await
+    claim_as(shared, result, expected, subject::msg_id::outcome(&result.job_id, stream_sequence), stream_sequence, None).await
+}
+
+/// [`claim`] for a failure, naming its failed record ([`FAILED_RECORD_HEADER`]).
+///
+/// # Errors
+/// As [`claim`].
+pub async fn claim_failure(shared: &Shared, result: &ShotResult, expected: u64, stream_sequence: u64, record: u64) -> Result<Claim, JobError> {
+    let message_id = subject::msg_id::outcome(&result.job_id, stream_sequence);
+    claim_as(shared, result, expected, message_id, stream_sequence, Some(record)).await
 }
 
 /// [`claim`] with the publish's message id given: a cancellation is no job message's outcome.
@@ -115,14 +125,24 @@ pub async fn claim(shared: &Shared, result: &ShotResult, expected: u64, stream_s
 ///
 /// # Errors
 /// As [`claim`].
-pub async fn claim_as(shared: &Shared, result: &ShotResult, expected: u64, message_id: String, settles_through: u64) -> Result<Claim, JobError> {
+pub async fn claim_as(
+    shared: &Shared,
+    result: &ShotResult,
+    expected: u64,
+    message_id: String,
+    settles_through: u64,
+    failed_record: Option<u64>,
+) -> Result<Claim, JobError> {
     let payload = encoding::encode(ContentType::Json, result);
-    let publish = PublishMessage::build()
+    let mut publish = PublishMessage::build()
         .payload(payload.into())
         .header(encoding::HEADER, ContentType::Json.as_str())
         .header(shotfleet_schema::nats::outcome::SETTLES_HEADER, settles_through.to_string().as_str())
         .message_id(message_id)
         .expected_last_subject_sequence(expected);
+    if let Some(record) = failed_record {
+        publish = publish.header(FAILED_RECORD_HEADER, record.to_string().as_str());
+    }
     let target = subject::result(&result.project, &result.job_id);
     let published = match shared.js.send_publish(target, publish).await {
         Ok(ack) => ack.await,

@@ -34,6 +34,10 @@ pub(crate) struct Taken {
     pub job: Option<ShotJob>,
     /// The sequence of the job's last outcome when it was taken (0: none).
     pub last_outcome: u64,
+    /// The failed record of that outcome, when it was a failure naming one: withdrawn once this
+    /// delivery's outcome is the job's (a render, or a failure with a record of its own), so a
+    /// job keeps at most its latest failure's record.
+    pub superseded_record: Option<u64>,
     /// The LoRA set it renders with; `None`: the base model.
     pub set: Option<JobSet>,
     /// Progress events, for a job this worker renders.
@@ -73,7 +77,7 @@ impl Drop for Holding {
 
 impl Taken {
     pub fn held(&self) -> Held<'_> {
-        Held { delivery: &self.delivery, job: self.job.as_ref(), last_outcome: self.last_outcome }
+        Held { delivery: &self.delivery, job: self.job.as_ref(), last_outcome: self.last_outcome, superseded_record: self.superseded_record }
     }
 
     /// The job to render (only called after `take` said [`Next::Render`]).
@@ -133,7 +137,20 @@ pub(crate) async fn take(shared: &Shared, kept: Kept) -> (Taken, Next) {
         let job = decoded.ok();
         info!(job = job.as_ref().map_or("?", |j| j.job_id.as_str()), "this worker already holds another delivery of the job; giving this one back");
         let busy = Handled::Stopped(JobError::give_back(HELD_HERE_DELAY, "another delivery of the job is in progress on this worker"));
-        return (Taken { delivery, job, last_outcome: 0, set: None, reporter: None, watch: OutcomeWatch::none(), notes: Vec::new(), _holding: None, _alive, _in_flight }, Next::Settle(busy));
+        let taken = Taken {
+            delivery,
+            job,
+            last_outcome: 0,
+            superseded_record: None,
+            set: None,
+            reporter: None,
+            watch: OutcomeWatch::none(),
+            notes: Vec::new(),
+            _holding: None,
+            _alive,
+            _in_flight,
+        };
+        return (taken, Next::Settle(busy));
     }
     // Before the look-up below: an outcome stored after it reaches the watch.
     let subscribed = match &decoded {
@@ -151,17 +168,21 @@ pub(crate) async fn take(shared: &Shared, kept: Kept) -> (Taken, Next) {
     let ids = failed::ids_of(delivery.subject(), job.as_ref(), content_type.as_deref(), &delivery.message.payload);
     let standing = match &ids {
         Some(ids) => commit::standing(shared, &ids.project, &ids.job_id, delivery.stream_sequence, delivery.published).await,
-        None => Ok(Standing::Open { last: 0 }),
+        None => Ok(Standing::Open { last: 0, record: None }),
+    };
+    let superseded_record = match &standing {
+        Ok(Standing::Open { record, .. }) => *record,
+        _ => None,
     };
     let (last_outcome, mut next) = match (standing, invalid) {
         (Err(e), _) => (0, Next::Settle(Handled::Stopped(e))),
         (Ok(Standing::Settled(outcome)), _) => {
             (outcome.sequence, Next::Settle(Handled::Committed { result: Box::new(outcome.result), ours: false }))
         }
-        (Ok(Standing::Open { last }), Some(invalid)) => (last, Next::Settle(Handled::Stopped(invalid))),
+        (Ok(Standing::Open { last, .. }), Some(invalid)) => (last, Next::Settle(Handled::Stopped(invalid))),
         // Routing after the look-up: a cancelled `auto` job is settled above, not re-published
         // as a new message that its cancellation would not settle.
-        (Ok(Standing::Open { last }), None) => match job.as_ref().filter(|job| route::needs_routing(&delivery, job)) {
+        (Ok(Standing::Open { last, .. }), None) => match job.as_ref().filter(|job| route::needs_routing(&delivery, job)) {
             Some(job) => {
                 let routed = route::reroute(shared, &delivery, job).await;
                 (0, Next::Settle(routed.map_or_else(Handled::Stopped, |()| Handled::Routed)))
@@ -192,7 +213,20 @@ pub(crate) async fn take(shared: &Shared, kept: Kept) -> (Taken, Next) {
         }
         _ => (None, OutcomeWatch::none()),
     };
-    (Taken { delivery, job, last_outcome, set, reporter, watch, notes, _holding: holding.flatten(), _alive, _in_flight }, next)
+    let taken = Taken {
+        delivery,
+        job,
+        last_outcome,
+        superseded_record,
+        set,
+        reporter,
+        watch,
+        notes,
+        _holding: holding.flatten(),
+        _alive,
+        _in_flight,
+    };
+    (taken, next)
 }
 
 /// The payload's fields that are no job's: ignored, as a newer producer's optional fields must
@@ -365,6 +399,9 @@ pub(crate) async fn commit_output(shared: &Shared, taken: &Taken, output: Render
                 upload_ms = result.timing.upload_ms,
                 "job done"
             );
+            if let Some(record) = taken.superseded_record {
+                failed::withdraw_superseded(shared, record, &job.job_id).await;
+            }
             Handled::Committed { result: Box::new(result), ours: true }
         }
         Ok(Claim::Theirs(theirs)) => {

@@ -52,6 +52,8 @@ pub(crate) struct Held<'a> {
     pub job: Option<&'a ShotJob>,
     /// The sequence of the job's last outcome when it was taken (0: none): a claim expects it.
     pub last_outcome: u64,
+    /// That outcome's failed record, which this delivery's outcome supersedes.
+    pub superseded_record: Option<u64>,
 }
 
 impl Held<'_> {
@@ -181,6 +183,7 @@ async fn fail(shared: &Shared, held: &Held<'_>, reason: FailureReason, detail: &
         queued: delivery.queued,
         job: held.job,
         last_outcome: held.last_outcome,
+        superseded_record: held.superseded_record,
     };
     match failed::record(shared, &case, reason, detail, attempts).await {
         Recorded::Failed => {

@@ -15,6 +15,12 @@ use crate::{ShotResult, subject};
 /// it published (its PubAck's sequence) was settled or is still to come.
 pub const SETTLES_HEADER: &str = "Shotfleet-Settles";
 
+/// The header of a `failed` outcome naming the job's failed record (its sequence in
+/// `SHOTS_FAILED`): a worker that renders the job later (`submit --again`, a fix, a replay)
+/// withdraws the record, which would else wait there, counted by `status`, for a replay to find
+/// the job rendered and delete it.
+pub const FAILED_RECORD_HEADER: &str = "Shotfleet-Failed-Record";
+
 /// The last outcome on a job's result subject.
 #[derive(Debug, Clone)]
 pub struct Outcome {
@@ -26,6 +32,8 @@ pub struct Outcome {
     /// The last job message it settles ([`SETTLES_HEADER`]; for an outcome written before the
     /// header, from its message id `<job_id>:outcome:<seq>`), when it says.
     pub settles_through: Option<u64>,
+    /// A failure's record in `SHOTS_FAILED` ([`FAILED_RECORD_HEADER`]), when it names one.
+    pub failed_record: Option<u64>,
 }
 
 impl Outcome {
@@ -68,7 +76,8 @@ pub async fn last<I>(results: &Stream<I>, project: &str, job_id: &str) -> Result
                 Some(through) => through.parse().ok(),
                 None => super::header_value(&message.headers, crate::failure::MSG_ID).and_then(|id| subject::msg_id::outcome_sequence(&id)),
             };
-            Ok(Some(Outcome { result, sequence: message.sequence, stored: message.time.into(), settles_through }))
+            let failed_record = super::header_value(&message.headers, FAILED_RECORD_HEADER).and_then(|seq| seq.parse().ok());
+            Ok(Some(Outcome { result, sequence: message.sequence, stored: message.time.into(), settles_through, failed_record }))
         }
         Err(e) if matches!(e.kind(), DirectGetErrorKind::NotFound) => Ok(None),
         Err(e) => Err(OutcomeError::Lookup(e.to_string())),
