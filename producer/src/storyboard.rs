@@ -10,7 +10,7 @@ use std::collections::HashMap;
 use std::path::Path;
 
 use serde_json::{Map, Value};
-use shotfleet_schema::{Limits, Priority, ShotJob};
+use shotfleet_schema::{Limits, Priority, ShotJob, job};
 
 /// One shot read from a file, ready to publish.
 #[derive(Debug, Clone, PartialEq)]
@@ -179,13 +179,18 @@ const JSON_FIELDS: [&str; 15] = [
 /// `negativ_prompt`) would else be dropped and the shot rendered without it, unsaid.
 fn known_fields(line: usize, mut object: Map<String, Value>, ignore: &[String]) -> Row {
     object.retain(|name, _| !ignore.contains(&name.to_lowercase()));
-    if let Some(unknown) = object.keys().find(|k| !JSON_FIELDS.contains(&k.as_str())) {
-        let message = if unknown == "degrade" {
-            "set by workers only: leave it out".to_owned()
-        } else {
-            format!("unknown field; {}known fields are {} (`--ignore-column {unknown}` leaves it out)", nearest(unknown, &JSON_FIELDS), JSON_FIELDS.join(", "))
+    if let Some(unknown) = job::unknown_fields(&object, &JSON_FIELDS).into_iter().next() {
+        let near = did_you_mean(unknown.near);
+        let message = match unknown.path.as_str() {
+            "degrade" => "set by workers only: leave it out".to_owned(),
+            // Inside `loras` or `floor`: a shot has no such field, and no column to leave out.
+            nested if nested.contains(['.', '[']) => {
+                let (within, known) = if nested.starts_with("floor") { ("the floor", job::FLOOR_FIELDS) } else { ("a LoRA", job::LORA_FIELDS) };
+                format!("unknown field; {near}{within} has {}", known.join(" and "))
+            }
+            top => format!("unknown field; {near}known fields are {} (`--ignore-column {top}` leaves it out)", JSON_FIELDS.join(", ")),
         };
-        return Err(LineError { line, field: unknown.clone(), message });
+        return Err(LineError { line, field: unknown.path, message });
     }
     Ok((line, object))
 }
@@ -193,7 +198,11 @@ fn known_fields(line: usize, mut object: Map<String, Value>, ignore: &[String]) 
 /// `did you mean `name`? ` for the known name nearest to `unknown` (a typo or two away), else
 /// nothing.
 fn nearest(unknown: &str, known: &[&str]) -> String {
-    shotfleet_schema::names::nearest(unknown, known).map(|known| format!("did you mean `{known}`? ")).unwrap_or_default()
+    did_you_mean(shotfleet_schema::names::nearest(unknown, known))
+}
+
+fn did_you_mean(near: Option<&str>) -> String {
+    near.map(|near| format!("did you mean `{near}`? ")).unwrap_or_default()
 }
 
 /// Columns that hold numbers; everything else is text.
@@ -292,11 +301,15 @@ fn csv_rows(text: &str, ignore: &[String]) -> Vec<Row> {
     };
     // A spreadsheet's header is often capitalized (`Job_ID`, `Prompt`).
     let headers: csv::StringRecord = headers.iter().map(str::to_lowercase).collect();
+    // Before the twice-named check: two empty names are no column named twice.
+    let blank: Vec<String> = headers.iter().enumerate().filter(|(_, h)| h.is_empty()).map(|(i, _)| (i + 1).to_string()).collect();
+    if !blank.is_empty() {
+        let (columns, are) = if blank.len() == 1 { ("column", "is") } else { ("columns", "are") };
+        let message = format!("{columns} {} of the header {are} empty (trailing separators, as a spreadsheet may export?): remove them, or name them and leave them out with --ignore-column", blank.join(", "));
+        return vec![Err(whole_line(1, message))];
+    }
     if let Some((i, _)) = headers.iter().enumerate().find(|(i, h)| headers.iter().take(*i).any(|earlier| earlier == *h)) {
         return vec![Err(LineError { line: 1, field: headers[i].to_owned(), message: "this column is in the header twice".into() })];
-    }
-    if let Some(blank) = headers.iter().position(str::is_empty) {
-        return vec![Err(whole_line(1, format!("column {} of the header is empty (a trailing separator?)", blank + 1)))];
     }
     let ignored = |name: &str| ignore.iter().any(|i| i == name);
     if let Some(unknown) = headers.iter().find(|h| !NUMERIC_COLUMNS.contains(h) && !TEXT_COLUMNS.contains(h) && !ignored(h)) {
@@ -379,8 +392,11 @@ fn whole_number(line: usize, name: &str, number: &serde_json::Number) -> Result<
             "`{number}` is negative: a seed is a whole number from 0 (`-1`, \"random\" in some tools, is not taken: a shot renders the same from its seed each time)"
         )),
         Some(negative) if negative < 0.0 => refused(format!("`{number}` is negative")),
-        Some(whole) if whole.fract() == 0.0 && whole < 9.0e15 => Ok(Value::from(whole as u64)),
-        Some(whole) if whole.fract() == 0.0 => refused(format!("`{number}` is too large")),
+        // Below 2^53, as the workers read such floats (`shotfleet_schema`'s wire rules).
+        Some(whole) if whole.fract() == 0.0 && whole < 9_007_199_254_740_992.0 => Ok(Value::from(whole as u64)),
+        Some(whole) if whole.fract() == 0.0 => refused(format!(
+            "`{number}` was written with a decimal point or exponent: past 2^53 such a number no longer holds every integer, so write the integer itself"
+        )),
         _ => refused(format!("`{number}` is not a whole number")),
     }
 }
@@ -581,6 +597,18 @@ not json
         assert!(board.errors[0].message.contains("did you mean `loras`?"), "{}", board.errors[0].message);
         assert_eq!((board.errors[1].line, board.errors[1].field.as_str()), (2, "image"));
         assert!(board.errors[1].message.contains("did you mean `images`?"), "{}", board.errors[1].message);
+        // Inside a LoRA entry and the floor too.
+        let text = format!(
+            "{}\n{}\n",
+            line("a3", r#""loras":[{"name":"mei","weight":1,"strength":0.5}]"#),
+            line("a4", r#""floor":{"min_side":64,"min_step":4}"#)
+        );
+        let board = parse(&text, Format::JsonLines, &Limits::default());
+        assert!(board.shots.is_empty(), "{:?}", board.shots);
+        assert_eq!((board.errors[0].line, board.errors[0].field.as_str()), (1, "loras[0].strength"));
+        assert!(board.errors[0].message.contains("a LoRA has name and weight"), "{}", board.errors[0].message);
+        assert_eq!(board.errors[1].field, "floor.min_step");
+        assert!(board.errors[1].message.contains("did you mean `min_steps`?"), "{}", board.errors[1].message);
     }
 
     #[test]
@@ -671,6 +699,9 @@ not json
         assert!(comma.errors[0].message.contains("without a thousands separator"), "{:?}", comma.errors);
         let twice = parse("job_id,width,width\na,64,64\n", Format::Csv, &Limits::default());
         assert!(twice.errors[0].message.contains("in the header twice"), "{:?}", twice.errors);
+        // A spreadsheet's export with two empty columns at the end of every line.
+        let trailing = parse("job_id;width;;\na;64;;\n", Format::Csv, &Limits::default());
+        assert!(trailing.errors[0].message.starts_with("columns 3, 4 of the header are empty"), "{:?}", trailing.errors);
         let trailing = parse("job_id,project,\na,p,\n", Format::Csv, &Limits::default());
         assert!(trailing.errors[0].message.contains("column 3 of the header is empty"), "{:?}", trailing.errors);
     }

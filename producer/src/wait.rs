@@ -127,6 +127,9 @@ pub async fn wait(
     let mut messages = futures::stream::select_all(feeds);
     let mut outcomes: HashMap<String, Outcome> = HashMap::new();
     let mut done: HashSet<String> = HashSet::new();
+    // Failures read from what was stored before the wait began: told only once that is read
+    // through, and only if no later result of the job (a replay, `--again`) replaced them.
+    let mut untold: Vec<String> = Vec::new();
     let deadline = timeout.map(|t| tokio::time::Instant::now() + t);
     let settled = |done: &HashSet<String>, outcomes: &HashMap<String, Outcome>, behind: &HashSet<usize>| {
         done.len() >= wanted.len() && (behind.is_empty() || !outcomes.values().any(Outcome::is_failed))
@@ -146,22 +149,40 @@ pub async fn wait(
         };
         let Some((feed, message)) = next else { break };
         let Ok(message) = message else { continue };
-        if message.info().is_ok_and(|info| info.pending == 0) {
+        let caught_up = message.info().is_ok_and(|info| info.pending == 0);
+        if caught_up {
             behind.remove(&feed);
         }
-        let Some((key, outcome)) = read_outcome(&message, feed_project[feed], &wanted, since) else { continue };
         // A result is final; a failure stands only until a result arrives, and is told once
         // (a failed job has both a failed outcome and a failed record).
-        if outcomes.get(&key).is_some_and(|o| !o.is_failed() || outcome.is_failed()) {
-            continue;
+        let read = read_outcome(&message, feed_project[feed], &wanted, since);
+        if let Some((key, outcome)) = read.filter(|(key, outcome)| !outcomes.get(key).is_some_and(|o| !o.is_failed() || outcome.is_failed())) {
+            if outcome.is_failed() && !behind.is_empty() {
+                untold.push(key.clone());
+            } else {
+                on_outcome(&key, &outcome);
+            }
+            if !outcome.is_failed() || !done.contains(&key) {
+                done.insert(key.clone());
+            }
+            outcomes.insert(key, outcome);
         }
-        on_outcome(&key, &outcome);
-        if !outcome.is_failed() || !done.contains(&key) {
-            done.insert(key.clone());
+        // After this message's outcome: it may be the result that replaces a held-back failure.
+        if caught_up && behind.is_empty() {
+            tell_standing_failures(&mut untold, &outcomes, &mut on_outcome);
         }
-        outcomes.insert(key, outcome);
     }
+    tell_standing_failures(&mut untold, &outcomes, &mut on_outcome);
     Ok(outcomes)
+}
+
+/// Tells the failures held back in `untold` that still stand.
+fn tell_standing_failures(untold: &mut Vec<String>, outcomes: &HashMap<String, Outcome>, on_outcome: &mut impl FnMut(&str, &Outcome)) {
+    for key in untold.drain(..) {
+        if let Some(outcome) = outcomes.get(&key).filter(|outcome| outcome.is_failed()) {
+            on_outcome(&key, outcome);
+        }
+    }
 }
 
 /// An ordered consumer over one stream and filter, from `deliver` on. Retried for a while:

@@ -4,17 +4,16 @@
 //! they are. Decoding is strict about what matters (the version, types, size) and lenient about
 //! what does not (unknown fields are ignored, for forward compatibility).
 
-use std::collections::BTreeMap;
 use std::ops::Range;
 
-use serde::de::{DeserializeOwned, IgnoredAny};
+use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
 use crate::VERSION;
-use crate::job::{FIELDS, JobIds, ShotJob};
+use crate::job::{self, FIELDS, JobIds, ShotJob, UnknownField};
 use crate::validate::{Limits, MAX_ID_BYTES, ValidationError, id_problem};
-use crate::wire;
+use crate::{shallow, wire};
 
 /// The `Content-Type` header's name.
 pub const HEADER: &str = "Content-Type";
@@ -173,8 +172,8 @@ struct IdsProbe {
 }
 
 /// Reads a payload's ids leniently: as its header says, else as JSON, else as MessagePack; a
-/// payload refused for its size or for bytes after the job, or holding Python's `NaN`, still
-/// names its job.
+/// payload refused for its size or for bytes after the job, holding Python's `NaN`, or nesting
+/// MessagePack deeper than a decode goes, still names its job.
 fn probe_ids(content_type: Option<&str>, payload: &[u8]) -> Option<IdsProbe> {
     let payload = payload.strip_prefix(BOM).unwrap_or(payload);
     let declared = ContentType::from_header(content_type).ok();
@@ -186,20 +185,28 @@ fn probe_ids(content_type: Option<&str>, payload: &[u8]) -> Option<IdsProbe> {
             .filter(|content_type| starts_as_map(*content_type, payload))
             .find_map(|content_type| parse(content_type, payload, Rest::Ignored).ok())
     };
-    probe(payload).or_else(|| {
-        let nulled = non_finite_as_null(payload)?;
-        parse(ContentType::Json, &nulled, Rest::Ignored).ok()
-    })
+    probe(payload)
+        .or_else(|| {
+            let nulled = non_finite_as_null(payload)?;
+            parse(ContentType::Json, &nulled, Rest::Ignored).ok()
+        })
+        .or_else(|| {
+            // MessagePack nested deeper than a decode may go (JSON's ids are read past any
+            // nesting: serde_json skips unknown values without recursion).
+            let job_id = shallow::top_level_str(payload, "job_id")?;
+            let shot_id = shallow::top_level_str(payload, "shot_id");
+            Some(IdsProbe { job_id: Some(job_id.into()), shot_id: shot_id.map(Into::into) })
+        })
 }
 
-/// The top-level fields of a job payload that contract v1 does not know, sorted: ignored when
-/// the job is read (a newer producer's optional fields), and named by a worker in the result's
-/// notes, so that a misspelt optional field (`lora`, `negativePrompt`) is not dropped unsaid.
-/// Empty for a payload that is no map.
-pub fn unknown_job_fields(content_type: Option<&str>, payload: &[u8]) -> Vec<String> {
+/// The fields of a job payload that contract v1 does not know ([`job::unknown_fields`]),
+/// sorted: ignored when the job is read (a newer producer's optional fields), and
+/// named by a worker in the result's notes, so that a misspelt optional field (`lora`,
+/// `negativePrompt`, `floor.min_step`) is not dropped unsaid. Empty for a payload that is no map.
+pub fn unknown_job_fields(content_type: Option<&str>, payload: &[u8]) -> Vec<UnknownField> {
     let Ok(content_type) = ContentType::from_header(content_type) else { return Vec::new() };
-    let Ok(fields) = decode::<BTreeMap<String, IgnoredAny>>(content_type, payload) else { return Vec::new() };
-    fields.into_keys().filter(|field| !FIELDS.contains(&field.as_str())).collect()
+    let Ok(fields) = decode::<serde_json::Map<String, serde_json::Value>>(content_type, payload) else { return Vec::new() };
+    job::unknown_fields(&fields, &FIELDS)
 }
 
 /// Decodes then validates a job: what a worker does with every message it fetches.

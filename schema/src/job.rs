@@ -84,6 +84,47 @@ pub const FIELDS: [&str; 15] = [
     "loras", "floor", "degrade",
 ];
 
+/// A LoRA entry's fields (`loras[i]`), as [`Lora`] names them.
+pub const LORA_FIELDS: [&str; 2] = ["name", "weight"];
+/// The floor's fields, as [`Floor`] names them.
+pub const FLOOR_FIELDS: [&str; 2] = ["min_side", "min_steps"];
+
+/// A field of a job that the contract does not know: ignored by a worker (a newer producer's
+/// optional field), refused by `shotfleet submit` (a storyboard's misspelt field).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UnknownField {
+    /// `lora`, `loras[0].strength`, `floor.min_step`.
+    pub path: String,
+    /// The known field it is a typo or two away from, if any ([`crate::names::nearest`]).
+    pub near: Option<&'static str>,
+}
+
+/// The fields of a job, as a JSON object, that the contract does not know: at the top (`top`
+/// lists the known ones: [`FIELDS`], or a storyboard line's), and inside `loras[i]` and `floor`,
+/// where a misspelt `min_steps` or an added `strength` is as silently dropped.
+pub fn unknown_fields(job: &serde_json::Map<String, serde_json::Value>, top: &[&'static str]) -> Vec<UnknownField> {
+    let field = |path: String, name: &str, known: &[&'static str]| UnknownField { path, near: crate::names::nearest(name, known) };
+    let unknown_in = |object: &serde_json::Map<String, serde_json::Value>, known: &'static [&'static str], prefix: &str| {
+        object.keys().filter(|name| !known.contains(&name.as_str())).map(|name| field(format!("{prefix}.{name}"), name, known)).collect::<Vec<_>>()
+    };
+    let mut unknown = Vec::new();
+    for (name, value) in job {
+        match (name.as_str(), value) {
+            (name, _) if !top.contains(&name) => unknown.push(field(name.to_owned(), name, top)),
+            ("loras", serde_json::Value::Array(loras)) => {
+                for (i, lora) in loras.iter().enumerate() {
+                    if let serde_json::Value::Object(lora) = lora {
+                        unknown.extend(unknown_in(lora, &LORA_FIELDS, &format!("loras[{i}]")));
+                    }
+                }
+            }
+            ("floor", serde_json::Value::Object(floor)) => unknown.extend(unknown_in(floor, &FLOOR_FIELDS, "floor")),
+            _ => {}
+        }
+    }
+    unknown
+}
+
 fn one() -> u32 {
     1
 }

@@ -35,6 +35,7 @@ pub mod nats;
 pub mod result;
 pub mod store;
 pub mod subject;
+mod shallow;
 pub mod validate;
 mod wire;
 

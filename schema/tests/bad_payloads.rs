@@ -207,6 +207,18 @@ fn a_payload_that_does_not_decode_may_still_name_its_job() {
     // A float Python wrote as NaN (no JSON) hides no id; the same words inside strings are text.
     let python = br#"{"v":1,"job_id":"j5","shot_id":"s5","guidance":NaN,"seed":-Infinity,"prompt":"NaN \"Infinity\""}"#;
     assert_eq!(ids(None, python), named("j5", "s5"));
+    // An unknown field nested deeper than a decode may go (it fails as `invalid`) hides no id.
+    let mut deep = msgpack(&serde_json::json!({"job_id": "j6", "shot_id": "s6"}));
+    deep[0] += 1;
+    deep.extend(rmp_serde::to_vec(&"x").unwrap());
+    deep.extend(std::iter::repeat_n(0x91u8, 60_000));
+    deep.push(0x90);
+    assert_eq!(ids(Some("application/msgpack"), &deep), named("j6", "s6"));
+    let mut deep_json = br#"{"job_id":"j7","x":"#.to_vec();
+    deep_json.extend(std::iter::repeat_n(b'[', 60_000));
+    deep_json.extend(std::iter::repeat_n(b']', 60_000));
+    deep_json.push(b'}');
+    assert_eq!(ids(None, &deep_json), named("j7", ""));
     // An id that is no id is still read as sent, for a person looking for the job by it.
     use shotfleet_schema::encoding::read_job_id_as_sent;
     assert_eq!(read_job_id_as_sent(None, br#"{"v":1,"job_id":"a/b"}"#).as_deref(), Some("a/b"));

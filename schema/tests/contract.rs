@@ -59,8 +59,20 @@ fn unknown_fields_are_ignored_for_forward_compatibility() {
         "width":512,"height":512,"steps":20,"guidance":5,"seed":7,
         "style_hint":"noir","extra":{"nested":[1,2,3]}}"#;
     assert!(decode_job(Some("application/json"), payload).is_ok());
-    // Ignored, but named: a worker's result notes them.
-    assert_eq!(encoding::unknown_job_fields(None, payload), ["extra", "style_hint"]);
+    // Ignored, but named: a worker's result notes them, inside a LoRA entry and the floor too.
+    let paths = |payload: &[u8]| -> Vec<(String, Option<&str>)> {
+        encoding::unknown_job_fields(None, payload).into_iter().map(|f| (f.path, f.near)).collect()
+    };
+    assert_eq!(paths(payload), [("extra".to_owned(), None), ("style_hint".to_owned(), None)]);
+    let nested = br#"{"v":1,"job_id":"j1","project":"p","shot_id":"s","prompt":"x","width":512,"height":512,"steps":20,
+        "guidance":5,"seed":7,"lora":[],"loras":[{"name":"a","weight":1},{"name":"b","wieght":1,"strength":2}],"floor":{"min_side":64,"min_step":4}}"#;
+    let expected = [
+        ("floor.min_step", Some("min_steps")),
+        ("lora", Some("loras")),
+        ("loras[1].strength", None),
+        ("loras[1].wieght", Some("weight")),
+    ];
+    assert_eq!(paths(nested), expected.map(|(path, near)| (path.to_owned(), near)));
     let known = encoding::encode(ContentType::MessagePack, &sample_job());
     assert!(encoding::unknown_job_fields(Some(ContentType::MessagePack.as_str()), &known).is_empty());
 }
@@ -74,6 +86,11 @@ fn the_field_list_is_the_jobs() {
     properties.sort_unstable();
     fields.sort_unstable();
     assert_eq!(properties, fields);
+    for (def, fields) in [("Lora", shotfleet_schema::job::LORA_FIELDS), ("Floor", shotfleet_schema::job::FLOOR_FIELDS)] {
+        let mut properties: Vec<&str> = job["$defs"][def]["properties"].as_object().unwrap().keys().map(String::as_str).collect();
+        properties.sort_unstable();
+        assert_eq!(properties, fields, "{def}");
+    }
 }
 
 #[test]

@@ -151,6 +151,11 @@ async fn a_cancelled_job_is_queued_again_when_asked() {
     // Asked again, nothing more is queued: the rendered job is final.
     let out = shotfleet(&fleet.url(), &["submit", board, "--again"]).await;
     assert!(text(&out).contains("1 already rendered"), "{}", text(&out));
+    // Waited on again, it is told as rendered, not first as the cancellation it was before.
+    let out = shotfleet(&fleet.url(), &["submit", board, "--wait", "--timeout", "1m"]).await;
+    let said = text(&out);
+    assert_eq!(out.status.code(), Some(0), "{said}");
+    assert!(said.contains("ag-1: done") && !said.contains("ag-1: cancelled"), "{said}");
 }
 
 /// A failed job its owner cancels is not rendered by a later replay of failed jobs: the cancel

@@ -64,7 +64,7 @@ pub enum LibraryError {
     #[error("LoRA name `{name}`: {reason}")]
     BadName { name: String, reason: String },
 
-    #[error("no LoRA named `{name}` in the library at {location}: push it with `shotfleet lora push FILE --name {name}`")]
+    #[error("no LoRA named `{name}` in the library at {location}: push it with `shotfleet lora push FILE --name {name} --store STORE` (the workers' image store)")]
     Unknown { name: String, location: String },
 
     #[error("LoRA `{name}`: its sidecar in the library is unreadable ({detail}): push it again")]

@@ -7,8 +7,6 @@ use std::time::Instant;
 
 use shotfleet_schema::encoding::{self, DecodeError, InvalidJob};
 use shotfleet_schema::failure::one_line;
-use shotfleet_schema::job::FIELDS;
-use shotfleet_schema::names;
 use shotfleet_schema::validate::{Problem, ValidationError};
 use shotfleet_schema::progress::ProgressEvent;
 use shotfleet_schema::{ResultStatus, ShotJob};
@@ -239,14 +237,14 @@ fn ignored_fields(job: &ShotJob, content_type: Option<&str>, payload: &[u8]) -> 
     if unknown.is_empty() {
         return None;
     }
-    let logged: Vec<String> = unknown.iter().take(NAMED).map(|field| one_line(field, 64)).collect();
+    let logged: Vec<String> = unknown.iter().take(NAMED).map(|field| one_line(&field.path, 64)).collect();
     warn!(job = %job.job_id, fields = ?logged, count = unknown.len(), "the job has fields that are no job's (contract v1): ignored");
     let mut named: Vec<String> = unknown
         .iter()
         .take(NAMED)
         .map(|field| {
-            let shown = one_line(field, 64);
-            match names::nearest(field, &FIELDS) {
+            let shown = one_line(&field.path, 64);
+            match field.near {
                 Some(near) => format!("`{shown}` (did you mean `{near}`?)"),
                 None => format!("`{shown}`"),
             }
