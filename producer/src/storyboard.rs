@@ -181,14 +181,12 @@ fn known_fields(line: usize, mut object: Map<String, Value>, ignore: &[String]) 
     object.retain(|name, _| !ignore.contains(&name.to_lowercase()));
     if let Some(unknown) = job::unknown_fields(&object, &JSON_FIELDS).into_iter().next() {
         let near = did_you_mean(unknown.near);
-        let message = match unknown.path.as_str() {
-            "degrade" => "set by workers only: leave it out".to_owned(),
-            // Inside `loras` or `floor`: a shot has no such field, and no column to leave out.
-            nested if nested.contains(['.', '[']) => {
-                let (within, known) = if nested.starts_with("floor") { ("the floor", job::FLOOR_FIELDS) } else { ("a LoRA", job::LORA_FIELDS) };
-                format!("unknown field; {near}{within} has {}", known.join(" and "))
-            }
-            top => format!("unknown field; {near}known fields are {} (`--ignore-column {top}` leaves it out)", JSON_FIELDS.join(", ")),
+        // Inside `loras` or `floor`: a shot has no such field, and no column to leave out.
+        let message = match (unknown.within, unknown.path.as_str()) {
+            (None, "degrade") => "set by workers only: leave it out".to_owned(),
+            (None, top) => format!("unknown field; {near}known fields are {} (`--ignore-column {top}` leaves it out)", JSON_FIELDS.join(", ")),
+            (Some("floor"), _) => format!("unknown field; {near}the floor has {}", job::FLOOR_FIELDS.join(" and ")),
+            (Some(_), _) => format!("unknown field; {near}a LoRA has {}", job::LORA_FIELDS.join(" and ")),
         };
         return Err(LineError { line, field: unknown.path, message });
     }

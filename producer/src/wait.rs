@@ -130,14 +130,31 @@ pub async fn wait(
     // Failures read from what was stored before the wait began: told only once that is read
     // through, and only if no later result of the job (a replay, `--again`) replaced them.
     let mut untold: Vec<String> = Vec::new();
+    // A message read while waiting for the history to go quiet.
+    let mut held = None;
     let deadline = timeout.map(|t| tokio::time::Instant::now() + t);
     let settled = |done: &HashSet<String>, outcomes: &HashMap<String, Outcome>, behind: &HashSet<usize>| {
         done.len() >= wanted.len() && (behind.is_empty() || !outcomes.values().any(Outcome::is_failed))
     };
 
     while !settled(&done, &outcomes, &behind) {
-        let next = match deadline {
-            Some(deadline) => match tokio::time::timeout_at(deadline, messages.next()).await {
+        // Stored messages come at once: a feed quiet this long while behind has nothing more to
+        // deliver (its last stored message may have been deleted before it was delivered, and
+        // none then says `pending: 0`).
+        if !behind.is_empty() {
+            let idle = tokio::time::Instant::now() + HISTORY_IDLE;
+            let quiet_until = deadline.map_or(idle, |deadline| deadline.min(idle));
+            if let Ok(next) = tokio::time::timeout_at(quiet_until, messages.next()).await {
+                held = Some(next);
+            } else if quiet_until == idle {
+                behind.clear();
+                tell_standing_failures(&mut untold, &outcomes, &mut on_outcome);
+                continue;
+            }
+        }
+        let next = match (held.take(), deadline) {
+            (Some(next), _) => next,
+            (None, Some(deadline)) => match tokio::time::timeout_at(deadline, messages.next()).await {
                 Ok(next) => next,
                 Err(_) => {
                     let mut pending: Vec<String> = wanted.keys().filter(|key| !done.contains(*key)).cloned().collect();
@@ -145,7 +162,7 @@ pub async fn wait(
                     return Err(WaitError::TimedOut { after: timeout.unwrap_or_default(), pending, so_far: outcomes });
                 }
             },
-            None => messages.next().await,
+            (None, None) => messages.next().await,
         };
         let Some((feed, message)) = next else { break };
         let Ok(message) = message else { continue };
@@ -175,6 +192,9 @@ pub async fn wait(
     tell_standing_failures(&mut untold, &outcomes, &mut on_outcome);
     Ok(outcomes)
 }
+
+/// How long the feeds of stored messages may be quiet before their history counts as read.
+const HISTORY_IDLE: Duration = Duration::from_secs(2);
 
 /// Tells the failures held back in `untold` that still stand.
 fn tell_standing_failures(untold: &mut Vec<String>, outcomes: &HashMap<String, Outcome>, on_outcome: &mut impl FnMut(&str, &Outcome)) {

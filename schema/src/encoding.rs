@@ -205,8 +205,14 @@ fn probe_ids(content_type: Option<&str>, payload: &[u8]) -> Option<IdsProbe> {
 /// `negativePrompt`, `floor.min_step`) is not dropped unsaid. Empty for a payload that is no map.
 pub fn unknown_job_fields(content_type: Option<&str>, payload: &[u8]) -> Vec<UnknownField> {
     let Ok(content_type) = ContentType::from_header(content_type) else { return Vec::new() };
-    let Ok(fields) = decode::<serde_json::Map<String, serde_json::Value>>(content_type, payload) else { return Vec::new() };
-    job::unknown_fields(&fields, &FIELDS)
+    if let Ok(fields) = decode::<serde_json::Map<String, serde_json::Value>>(content_type, payload) {
+        return job::unknown_fields(&fields, &FIELDS);
+    }
+    // A MessagePack value JSON has no form for (bytes, an extension, a map keyed by numbers)
+    // in a field of the producer's own: the top level's names still.
+    let Ok(fields) = decode::<std::collections::BTreeMap<String, serde::de::IgnoredAny>>(content_type, payload) else { return Vec::new() };
+    let top: serde_json::Map<String, serde_json::Value> = fields.into_keys().map(|name| (name, serde_json::Value::Null)).collect();
+    job::unknown_fields(&top, &FIELDS)
 }
 
 /// Decodes then validates a job: what a worker does with every message it fetches.

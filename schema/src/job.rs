@@ -95,6 +95,8 @@ pub const FLOOR_FIELDS: [&str; 2] = ["min_side", "min_steps"];
 pub struct UnknownField {
     /// `lora`, `loras[0].strength`, `floor.min_step`.
     pub path: String,
+    /// Where it was found: `None` at the top, `Some("loras")` in a LoRA entry, `Some("floor")`.
+    pub within: Option<&'static str>,
     /// The known field it is a typo or two away from, if any ([`crate::names::nearest`]).
     pub near: Option<&'static str>,
 }
@@ -103,22 +105,26 @@ pub struct UnknownField {
 /// lists the known ones: [`FIELDS`], or a storyboard line's), and inside `loras[i]` and `floor`,
 /// where a misspelt `min_steps` or an added `strength` is as silently dropped.
 pub fn unknown_fields(job: &serde_json::Map<String, serde_json::Value>, top: &[&'static str]) -> Vec<UnknownField> {
-    let field = |path: String, name: &str, known: &[&'static str]| UnknownField { path, near: crate::names::nearest(name, known) };
-    let unknown_in = |object: &serde_json::Map<String, serde_json::Value>, known: &'static [&'static str], prefix: &str| {
-        object.keys().filter(|name| !known.contains(&name.as_str())).map(|name| field(format!("{prefix}.{name}"), name, known)).collect::<Vec<_>>()
+    let unknown_in = |object: &serde_json::Map<String, serde_json::Value>, within: &'static str, known: &'static [&'static str], prefix: &str| {
+        let unknown = object.keys().filter(|name| !known.contains(&name.as_str()));
+        unknown
+            .map(|name| UnknownField { path: format!("{prefix}.{name}"), within: Some(within), near: crate::names::nearest(name, known) })
+            .collect::<Vec<_>>()
     };
     let mut unknown = Vec::new();
     for (name, value) in job {
         match (name.as_str(), value) {
-            (name, _) if !top.contains(&name) => unknown.push(field(name.to_owned(), name, top)),
+            (name, _) if !top.contains(&name) => {
+                unknown.push(UnknownField { path: name.to_owned(), within: None, near: crate::names::nearest(name, top) });
+            }
             ("loras", serde_json::Value::Array(loras)) => {
                 for (i, lora) in loras.iter().enumerate() {
                     if let serde_json::Value::Object(lora) = lora {
-                        unknown.extend(unknown_in(lora, &LORA_FIELDS, &format!("loras[{i}]")));
+                        unknown.extend(unknown_in(lora, "loras", &LORA_FIELDS, &format!("loras[{i}]")));
                     }
                 }
             }
-            ("floor", serde_json::Value::Object(floor)) => unknown.extend(unknown_in(floor, &FLOOR_FIELDS, "floor")),
+            ("floor", serde_json::Value::Object(floor)) => unknown.extend(unknown_in(floor, "floor", &FLOOR_FIELDS, "floor")),
             _ => {}
         }
     }

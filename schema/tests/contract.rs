@@ -73,6 +73,13 @@ fn unknown_fields_are_ignored_for_forward_compatibility() {
         ("loras[1].wieght", Some("weight")),
     ];
     assert_eq!(paths(nested), expected.map(|(path, near)| (path.to_owned(), near)));
+    // A MessagePack field of the producer's own holding bytes, which JSON has no form for.
+    let mut blob = encoding::encode(ContentType::MessagePack, &sample_job());
+    blob[0] += 1; // one more field in the top map (a fixmap: its length is the low nibble)
+    blob.extend([0xa4, b'b', b'l', b'o', b'b', 0xc4, 0x02, 0x01, 0x02]);
+    assert!(decode_job(Some("application/msgpack"), &blob).is_ok());
+    let named: Vec<String> = encoding::unknown_job_fields(Some("application/msgpack"), &blob).into_iter().map(|f| f.path).collect();
+    assert_eq!(named, ["blob"]);
     let known = encoding::encode(ContentType::MessagePack, &sample_job());
     assert!(encoding::unknown_job_fields(Some(ContentType::MessagePack.as_str()), &known).is_empty());
 }

@@ -70,7 +70,7 @@ async fn rescue(shared: &Shared, advisory: MaxDeliveries) {
         queued: SystemTime::now().duration_since(published).unwrap_or_default(),
         job: job.as_ref(),
         last_outcome: 0,
-        superseded_record: None,
+        failed_records: Vec::new(),
     };
     if let Some(ids) = case.ids() {
         match commit::standing(shared, &ids.project, &ids.job_id, advisory.stream_seq, published).await {
@@ -78,7 +78,7 @@ async fn rescue(shared: &Shared, advisory: MaxDeliveries) {
                 remove(&stream, advisory.stream_seq, &ids.job_id, "job past max deliveries already has its outcome; removed").await;
                 return;
             }
-            Ok(Standing::Open { last, record }) => (case.last_outcome, case.superseded_record) = (last, record),
+            Ok(Standing::Open { last, records }) => (case.last_outcome, case.failed_records) = (last, records),
             Err(e) => {
                 tracing::warn!(seq = advisory.stream_seq, error = %e, "cannot rescue a job past max deliveries now; it stays in the stream");
                 return;

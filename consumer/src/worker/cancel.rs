@@ -160,7 +160,10 @@ async fn cancel_one(shared: &Shared, project: &str, job_id: &str, shot_id: &str,
     };
     let expected = last.as_ref().map_or(0, |o| o.sequence);
     let cancelled = cancelled_outcome(shared, project, job_id, &shot_id, by);
-    match commit::claim_as(shared, &cancelled, expected, subject::msg_id::cancel(project, job_id, expected), settles_through, None).await {
+    // The failed records the last outcome named go on with the cancellation: a later render
+    // withdraws them.
+    let records = last.as_ref().map_or(&[][..], |o| o.failed_records.as_slice());
+    match commit::claim_as(shared, &cancelled, expected, subject::msg_id::cancel(project, job_id, expected), settles_through, records).await {
         Ok(Claim::Ours) if live.is_empty() => {
             let had = last.as_ref().and_then(|o| o.result.failure.as_ref()).map_or("", |f| f.detail.as_str());
             info!(job = job_id, project, by, "cancelled after it failed");

@@ -28,7 +28,7 @@ use std::time::{Duration, SystemTime};
 use async_nats::jetstream::context::PublishErrorKind;
 use async_nats::jetstream::message::PublishMessage;
 use shotfleet_schema::encoding::{self, ContentType};
-use shotfleet_schema::nats::outcome::{FAILED_RECORD_HEADER, OutcomeError};
+use shotfleet_schema::nats::outcome::{FAILED_RECORDS_HEADER, MAX_FAILED_RECORDS, OutcomeError};
 use shotfleet_schema::validate::{MAX_ID_BYTES, MAX_PROJECT_BYTES, id_problem};
 use shotfleet_schema::{Degrade, Failure, ImageRef, JobIds, ResultStatus, ShotJob, ShotResult, Timing, subject};
 use tracing::warn;
@@ -66,8 +66,9 @@ pub enum Standing {
     /// The outcome settles the message ([`Outcome::settles`]): it is only swept and acked.
     Settled(Box<Outcome>),
     /// The message is a request of its own; its outcome claims over `last` (0: none).
-    /// `record`: the failed record of the failure it claims over, for a render to withdraw.
-    Open { last: u64, record: Option<u64> },
+    /// `records`: the failed records that outcome names, for a render to withdraw or a failure
+    /// or cancellation to carry forward.
+    Open { last: u64, records: Vec<u64> },
 }
 
 /// Looks up the last outcome of `project`/`job_id` and says whether it settles a message
@@ -83,10 +84,10 @@ pub enum Standing {
 pub async fn standing(shared: &Shared, project: &str, job_id: &str, sequence: u64, published: SystemTime) -> Result<Standing, JobError> {
     Ok(match shotfleet_schema::nats::outcome::last(&shared.results, project, job_id).await {
         Ok(Some(outcome)) if outcome.settles(sequence, published) => Standing::Settled(Box::new(outcome)),
-        Ok(last) => Standing::Open { last: last.as_ref().map_or(0, |o| o.sequence), record: last.and_then(|o| o.failed_record) },
+        Ok(last) => Standing::Open { last: last.as_ref().map_or(0, |o| o.sequence), records: last.map(|o| o.failed_records).unwrap_or_default() },
         Err(e @ OutcomeError::Unreadable { sequence: last, .. }) => {
             warn!(project, job = job_id, error = %e, "settling the job over a message that is no outcome");
-            Standing::Open { last, record: None }
+            Standing::Open { last, records: Vec::new() }
         }
         Err(e) => return Err(JobError::transient(e.to_string())),
     })
@@ -107,16 +108,18 @@ pub enum Claim {
 /// # Errors
 /// A transient [`JobError`] when the publish or the look-up after a refusal failed.
 pub async fn claim(shared: &Shared, result: &ShotResult, expected: u64, stream_sequence: u64) -> Result<Claim, JobError> {
-    claim_as(shared, result, expected, subject::msg_id::outcome(&result.job_id, stream_sequence), stream_sequence, None).await
+    claim_as(shared, result, expected, subject::msg_id::outcome(&result.job_id, stream_sequence), stream_sequence, &[]).await
 }
 
-/// [`claim`] for a failure, naming its failed record ([`FAILED_RECORD_HEADER`]).
+/// [`claim`] for a failure: it names its failed record, then the records the outcome it claims
+/// over named ([`FAILED_RECORDS_HEADER`]).
 ///
 /// # Errors
 /// As [`claim`].
-pub async fn claim_failure(shared: &Shared, result: &ShotResult, expected: u64, stream_sequence: u64, record: u64) -> Result<Claim, JobError> {
+pub async fn claim_failure(shared: &Shared, result: &ShotResult, expected: u64, stream_sequence: u64, record: u64, carried: &[u64]) -> Result<Claim, JobError> {
     let message_id = subject::msg_id::outcome(&result.job_id, stream_sequence);
-    claim_as(shared, result, expected, message_id, stream_sequence, Some(record)).await
+    let records: Vec<u64> = std::iter::once(record).chain(carried.iter().copied()).collect();
+    claim_as(shared, result, expected, message_id, stream_sequence, &records).await
 }
 
 /// [`claim`] with the publish's message id given: a cancellation is no job message's outcome.
@@ -131,7 +134,7 @@ pub async fn claim_as(
     expected: u64,
     message_id: String,
     settles_through: u64,
-    failed_record: Option<u64>,
+    failed_records: &[u64],
 ) -> Result<Claim, JobError> {
     let payload = encoding::encode(ContentType::Json, result);
     let mut publish = PublishMessage::build()
@@ -140,8 +143,9 @@ pub async fn claim_as(
         .header(shotfleet_schema::nats::outcome::SETTLES_HEADER, settles_through.to_string().as_str())
         .message_id(message_id)
         .expected_last_subject_sequence(expected);
-    if let Some(record) = failed_record {
-        publish = publish.header(FAILED_RECORD_HEADER, record.to_string().as_str());
+    if !failed_records.is_empty() {
+        let listed: Vec<String> = failed_records.iter().take(MAX_FAILED_RECORDS).map(u64::to_string).collect();
+        publish = publish.header(FAILED_RECORDS_HEADER, listed.join(",").as_str());
     }
     let target = subject::result(&result.project, &result.job_id);
     let published = match shared.js.send_publish(target, publish).await {

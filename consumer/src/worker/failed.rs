@@ -3,8 +3,7 @@
 //! value from the payload safe). Replay reads them back. [`record`] fails a job: the record, the
 //! job's `failed` outcome, the sweep of its objects.
 
-use async_nats::jetstream::ErrorCode;
-use async_nats::jetstream::stream::DeleteMessageErrorKind;
+use async_nats::jetstream::stream::{LastRawMessageErrorKind, Stream};
 use bytes::Bytes;
 use shotfleet_schema::failure::{FailureReason, RecordFacts, RecordHeaders, one_line};
 use shotfleet_schema::subject::{self, Priority};
@@ -43,29 +42,65 @@ pub async fn publish(shared: &Shared, payload: Bytes, facts: &RecordFacts<'_>) -
 /// Removes a record written for a job that turned out to have a result after all (another
 /// worker committed while this one failed it), so nobody replays a finished job.
 pub async fn withdraw(shared: &Shared, sequence: u64) {
-    if let Err(e) = delete_record(shared, sequence).await {
+    let removed = match shared.js.get_stream(subject::FAILED_STREAM).await {
+        Ok(stream) => delete_record(&stream, sequence).await,
+        Err(e) => Err(e.to_string()),
+    };
+    if let Err(e) = removed {
         tracing::warn!(seq = sequence, error = %e, "could not withdraw a failed record of a job that has a result; replaying it finds the result and does nothing");
     }
 }
 
-/// Removes the record of a failure that this worker's outcome has just superseded: a render
-/// (the job sent again with `--again`, fixed, or replayed) or a later failure with a record of
-/// its own. A job keeps at most its latest failure's record, and none once rendered.
-pub async fn withdraw_superseded(shared: &Shared, sequence: u64, job_id: &str) {
-    match delete_record(shared, sequence).await {
-        Ok(()) => tracing::info!(job = job_id, seq = sequence, "the failed record of the job's earlier failure is withdrawn: a later outcome supersedes it"),
-        Err(e) => tracing::warn!(job = job_id, seq = sequence, error = %e, "could not withdraw the failed record of the job's earlier failure; it waits for `shotfleet replay`, which finds the job's later outcome"),
+/// Removes the failed records of a job this worker has just rendered (sent again with
+/// `--again`, fixed, or replayed), as its last outcome named them: they would else wait,
+/// counted by `status`, for a replay to find the job rendered. Each is read first and deleted
+/// only when it is this job's: a failed stream made again restarts its sequences, and an old
+/// outcome's number may then name another job's record. A record already gone (replayed) is
+/// passed over.
+pub async fn withdraw_rendered(shared: &Shared, records: &[u64], project: &str, job_id: &str) {
+    if records.is_empty() {
+        return;
+    }
+    let stream = match shared.js.get_stream(subject::FAILED_STREAM).await {
+        Ok(stream) => stream,
+        Err(e) => {
+            tracing::warn!(job = job_id, error = %e, "could not withdraw the failed records of a job now rendered; `shotfleet replay` finds it rendered and deletes them");
+            return;
+        }
+    };
+    for &sequence in records {
+        match stream.get_raw_message(sequence).await {
+            Ok(record) => {
+                let named = shotfleet_schema::nats::header_value(&record.headers, shotfleet_schema::failure::JOB_ID);
+                let in_project = subject::parse_failed(&record.subject).is_ok_and(|(_, of)| of == project);
+                if named.as_deref() != Some(job_id) || !in_project {
+                    tracing::warn!(job = job_id, seq = sequence, "the failed record this job's outcome names is another job's (was the failed stream made again?); left as it is");
+                    continue;
+                }
+            }
+            Err(e) if e.kind() == LastRawMessageErrorKind::NoMessageFound => continue,
+            Err(e) => {
+                tracing::warn!(job = job_id, seq = sequence, error = %e, "could not read a failed record of a job now rendered; `shotfleet replay` finds it rendered and deletes it");
+                continue;
+            }
+        }
+        match delete_record(&stream, sequence).await {
+            Ok(()) => tracing::info!(job = job_id, seq = sequence, "withdrew a failed record of the job: it is rendered now"),
+            Err(e) => tracing::warn!(job = job_id, seq = sequence, error = %e, "could not withdraw a failed record of a job now rendered; `shotfleet replay` finds it rendered and deletes it"),
+        }
     }
 }
 
 /// Deletes a failed record. One already gone (replayed, or withdrawn by another worker) is no
-/// error: the record is gone either way.
-async fn delete_record(shared: &Shared, sequence: u64) -> Result<(), String> {
-    let stream = shared.js.get_stream(subject::FAILED_STREAM).await.map_err(|e| e.to_string())?;
+/// error: the record is gone either way (the server's code for that differs between versions,
+/// so the record is looked for).
+async fn delete_record(stream: &Stream, sequence: u64) -> Result<(), String> {
     match stream.delete_message(sequence).await {
         Ok(_) => Ok(()),
-        Err(e) if matches!(e.kind(), DeleteMessageErrorKind::JetStream(ref error) if error.error_code() == ErrorCode::NO_MESSAGE_FOUND) => Ok(()),
-        Err(e) => Err(e.to_string()),
+        Err(e) => match stream.get_raw_message(sequence).await {
+            Err(gone) if gone.kind() == LastRawMessageErrorKind::NoMessageFound => Ok(()),
+            _ => Err(e.to_string()),
+        },
     }
 }
 
@@ -83,8 +118,8 @@ pub(crate) struct Case<'a> {
     pub job: Option<&'a ShotJob>,
     /// The sequence of the job's last outcome (0: none): the claim expects it.
     pub last_outcome: u64,
-    /// That outcome's failed record: this failure's record supersedes it.
-    pub superseded_record: Option<u64>,
+    /// The failed records that outcome names: carried forward, after this failure's own.
+    pub failed_records: Vec<u64>,
 }
 
 impl Case<'_> {
@@ -145,11 +180,8 @@ pub(crate) async fn record(shared: &Shared, case: &Case<'_>, reason: FailureReas
     let failure = Failure { reason: Some(reason), detail: one_line(detail, OUTCOME_DETAIL), attempts };
     let degrade = case.job.and_then(|job| job.degrade);
     let outcome = commit::outcome_of(shared, ids, degrade, case.deliveries, case.queued, ResultStatus::Failed, Some(failure));
-    match commit::claim_failure(shared, &outcome, case.last_outcome, case.stream_sequence, record).await {
+    match commit::claim_failure(shared, &outcome, case.last_outcome, case.stream_sequence, record, &case.failed_records).await {
         Ok(Claim::Ours) => {
-            if let Some(superseded) = case.superseded_record {
-                withdraw_superseded(shared, superseded, &outcome.job_id).await;
-            }
             if let Err(e) = commit::sweep(shared, &outcome.project, &outcome.job_id, &[]).await {
                 tracing::warn!(job = %outcome.job_id, error = %e, "could not sweep a failed job's objects");
             }
@@ -183,7 +215,7 @@ mod tests {
             queued: std::time::Duration::ZERO,
             job,
             last_outcome: 0,
-            superseded_record: None,
+            failed_records: Vec::new(),
         }
     }
 

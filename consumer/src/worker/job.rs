@@ -32,10 +32,9 @@ pub(crate) struct Taken {
     pub job: Option<ShotJob>,
     /// The sequence of the job's last outcome when it was taken (0: none).
     pub last_outcome: u64,
-    /// The failed record of that outcome, when it was a failure naming one: withdrawn once this
-    /// delivery's outcome is the job's (a render, or a failure with a record of its own), so a
-    /// job keeps at most its latest failure's record.
-    pub superseded_record: Option<u64>,
+    /// The failed records that outcome names: withdrawn once this delivery's render is the
+    /// job's outcome, carried forward by its failure.
+    pub failed_records: Vec<u64>,
     /// The LoRA set it renders with; `None`: the base model.
     pub set: Option<JobSet>,
     /// Progress events, for a job this worker renders.
@@ -75,7 +74,7 @@ impl Drop for Holding {
 
 impl Taken {
     pub fn held(&self) -> Held<'_> {
-        Held { delivery: &self.delivery, job: self.job.as_ref(), last_outcome: self.last_outcome, superseded_record: self.superseded_record }
+        Held { delivery: &self.delivery, job: self.job.as_ref(), last_outcome: self.last_outcome, failed_records: &self.failed_records }
     }
 
     /// The job to render (only called after `take` said [`Next::Render`]).
@@ -139,7 +138,7 @@ pub(crate) async fn take(shared: &Shared, kept: Kept) -> (Taken, Next) {
             delivery,
             job,
             last_outcome: 0,
-            superseded_record: None,
+            failed_records: Vec::new(),
             set: None,
             reporter: None,
             watch: OutcomeWatch::none(),
@@ -166,26 +165,22 @@ pub(crate) async fn take(shared: &Shared, kept: Kept) -> (Taken, Next) {
     let ids = failed::ids_of(delivery.subject(), job.as_ref(), content_type.as_deref(), &delivery.message.payload);
     let standing = match &ids {
         Some(ids) => commit::standing(shared, &ids.project, &ids.job_id, delivery.stream_sequence, delivery.published).await,
-        None => Ok(Standing::Open { last: 0, record: None }),
+        None => Ok(Standing::Open { last: 0, records: Vec::new() }),
     };
-    let superseded_record = match &standing {
-        Ok(Standing::Open { record, .. }) => *record,
-        _ => None,
-    };
-    let (last_outcome, mut next) = match (standing, invalid) {
-        (Err(e), _) => (0, Next::Settle(Handled::Stopped(e))),
+    let (last_outcome, failed_records, mut next) = match (standing, invalid) {
+        (Err(e), _) => (0, Vec::new(), Next::Settle(Handled::Stopped(e))),
         (Ok(Standing::Settled(outcome)), _) => {
-            (outcome.sequence, Next::Settle(Handled::Committed { result: Box::new(outcome.result), ours: false }))
+            (outcome.sequence, Vec::new(), Next::Settle(Handled::Committed { result: Box::new(outcome.result), ours: false }))
         }
-        (Ok(Standing::Open { last, .. }), Some(invalid)) => (last, Next::Settle(Handled::Stopped(invalid))),
+        (Ok(Standing::Open { last, records }), Some(invalid)) => (last, records, Next::Settle(Handled::Stopped(invalid))),
         // Routing after the look-up: a cancelled `auto` job is settled above, not re-published
         // as a new message that its cancellation would not settle.
-        (Ok(Standing::Open { last, .. }), None) => match job.as_ref().filter(|job| route::needs_routing(&delivery, job)) {
+        (Ok(Standing::Open { last, records }), None) => match job.as_ref().filter(|job| route::needs_routing(&delivery, job)) {
             Some(job) => {
                 let routed = route::reroute(shared, &delivery, job).await;
-                (0, Next::Settle(routed.map_or_else(Handled::Stopped, |()| Handled::Routed)))
+                (0, Vec::new(), Next::Settle(routed.map_or_else(Handled::Stopped, |()| Handled::Routed)))
             }
-            None => (last, Next::Render),
+            None => (last, records, Next::Render),
         },
     };
     let mut set = None;
@@ -215,7 +210,7 @@ pub(crate) async fn take(shared: &Shared, kept: Kept) -> (Taken, Next) {
         delivery,
         job,
         last_outcome,
-        superseded_record,
+        failed_records,
         set,
         reporter,
         watch,
@@ -397,9 +392,7 @@ pub(crate) async fn commit_output(shared: &Shared, taken: &Taken, output: Render
                 upload_ms = result.timing.upload_ms,
                 "job done"
             );
-            if let Some(record) = taken.superseded_record {
-                failed::withdraw_superseded(shared, record, &job.job_id).await;
-            }
+            failed::withdraw_rendered(shared, &taken.failed_records, &job.project, &job.job_id).await;
             Handled::Committed { result: Box::new(result), ours: true }
         }
         Ok(Claim::Theirs(theirs)) => {

@@ -52,8 +52,8 @@ pub(crate) struct Held<'a> {
     pub job: Option<&'a ShotJob>,
     /// The sequence of the job's last outcome when it was taken (0: none): a claim expects it.
     pub last_outcome: u64,
-    /// That outcome's failed record, which this delivery's outcome supersedes.
-    pub superseded_record: Option<u64>,
+    /// The failed records that outcome names: a failure carries them forward.
+    pub failed_records: &'a [u64],
 }
 
 impl Held<'_> {
@@ -183,7 +183,7 @@ async fn fail(shared: &Shared, held: &Held<'_>, reason: FailureReason, detail: &
         queued: delivery.queued,
         job: held.job,
         last_outcome: held.last_outcome,
-        superseded_record: held.superseded_record,
+        failed_records: held.failed_records.to_vec(),
     };
     match failed::record(shared, &case, reason, detail, attempts).await {
         Recorded::Failed => {

@@ -15,11 +15,17 @@ use crate::{ShotResult, subject};
 /// it published (its PubAck's sequence) was settled or is still to come.
 pub const SETTLES_HEADER: &str = "Shotfleet-Settles";
 
-/// The header of a `failed` outcome naming the job's failed record (its sequence in
-/// `SHOTS_FAILED`): a worker that renders the job later (`submit --again`, a fix, a replay)
-/// withdraws the record, which would else wait there, counted by `status`, for a replay to find
-/// the job rendered and delete it.
-pub const FAILED_RECORD_HEADER: &str = "Shotfleet-Failed-Record";
+/// The header of a `failed` or `cancelled` outcome naming the job's failed records that still
+/// wait in `SHOTS_FAILED` (their sequences, comma-separated, newest first): its own, and those
+/// the outcome it claimed over named, carried forward. A worker that renders the job later
+/// (`submit --again`, a fix, a replay) withdraws them, as they would else wait, counted by
+/// `status`, for a replay to find the job rendered and delete them. A failure withdraws none: an
+/// earlier failure's payload may be the one worth replaying (a driver fault before an invalid
+/// re-submission).
+pub const FAILED_RECORDS_HEADER: &str = "Shotfleet-Failed-Records";
+
+/// The most records an outcome names; older ones wait for a replay.
+pub const MAX_FAILED_RECORDS: usize = 16;
 
 /// The last outcome on a job's result subject.
 #[derive(Debug, Clone)]
@@ -32,8 +38,8 @@ pub struct Outcome {
     /// The last job message it settles ([`SETTLES_HEADER`]; for an outcome written before the
     /// header, from its message id `<job_id>:outcome:<seq>`), when it says.
     pub settles_through: Option<u64>,
-    /// A failure's record in `SHOTS_FAILED` ([`FAILED_RECORD_HEADER`]), when it names one.
-    pub failed_record: Option<u64>,
+    /// The job's failed records it names ([`FAILED_RECORDS_HEADER`]), newest first.
+    pub failed_records: Vec<u64>,
 }
 
 impl Outcome {
@@ -76,8 +82,10 @@ pub async fn last<I>(results: &Stream<I>, project: &str, job_id: &str) -> Result
                 Some(through) => through.parse().ok(),
                 None => super::header_value(&message.headers, crate::failure::MSG_ID).and_then(|id| subject::msg_id::outcome_sequence(&id)),
             };
-            let failed_record = super::header_value(&message.headers, FAILED_RECORD_HEADER).and_then(|seq| seq.parse().ok());
-            Ok(Some(Outcome { result, sequence: message.sequence, stored: message.time.into(), settles_through, failed_record }))
+            let failed_records = super::header_value(&message.headers, FAILED_RECORDS_HEADER)
+                .map(|list| list.split(',').filter_map(|seq| seq.trim().parse().ok()).take(MAX_FAILED_RECORDS).collect())
+                .unwrap_or_default();
+            Ok(Some(Outcome { result, sequence: message.sequence, stored: message.time.into(), settles_through, failed_records }))
         }
         Err(e) if matches!(e.kind(), DirectGetErrorKind::NotFound) => Ok(None),
         Err(e) => Err(OutcomeError::Lookup(e.to_string())),
