@@ -131,12 +131,14 @@ fn whole_line(line: usize, message: impl Into<String>) -> LineError {
 }
 
 /// One object a line; blank lines and comments (`//` or `#`) are skipped. A file that is one
-/// JSON array of objects (a `.json` export) is read as such, each object's line its own.
+/// JSON array of objects (a `.json` export) is read as such, each object's line its own, and so
+/// is one of objects written one after another over several lines each (pretty-printed).
 fn json_rows(text: &str, ignore: &[String]) -> Vec<Row> {
     if text.trim_start().starts_with('[') {
         return json_array_rows(text, ignore);
     }
-    text.lines()
+    let by_line: Vec<Row> = text
+        .lines()
         .enumerate()
         .map(|(i, l)| (i + 1, l.trim()))
         .filter(|(_, l)| !l.is_empty() && !l.starts_with("//") && !l.starts_with('#'))
@@ -145,7 +147,33 @@ fn json_rows(text: &str, ignore: &[String]) -> Vec<Row> {
             Ok(_) => Err(whole_line(line, "expected a JSON object")),
             Err(e) => Err(whole_line(line, format!("not valid JSON: {e}"))),
         })
-        .collect()
+        .collect();
+    if by_line.iter().any(Result::is_err)
+        && let Some(rows) = pretty_printed_rows(text, ignore)
+    {
+        return rows;
+    }
+    by_line
+}
+
+/// The objects of a text that is JSON objects one after another, each over several lines (as
+/// an editor's "format document" writes them), each named by the line it starts on; `None`
+/// unless the whole text reads so.
+fn pretty_printed_rows(text: &str, ignore: &[String]) -> Option<Vec<Row>> {
+    let mut values = serde_json::Deserializer::from_str(text).into_iter::<Value>();
+    let mut rows = Vec::new();
+    loop {
+        let after = values.byte_offset();
+        match values.next() {
+            None => break,
+            Some(Ok(Value::Object(object))) => {
+                let start = after + (text[after..].len() - text[after..].trim_start().len());
+                rows.push(known_fields(text[..start].matches('\n').count() + 1, object, ignore));
+            }
+            Some(_) => return None,
+        }
+    }
+    (!rows.is_empty()).then_some(rows)
 }
 
 /// The objects of a JSON array, each named by the line it starts on.
@@ -193,12 +221,7 @@ fn known_fields(line: usize, mut object: Map<String, Value>, ignore: &[String]) 
     Ok((line, object))
 }
 
-/// `did you mean `name`? ` for the known name nearest to `unknown` (a typo or two away), else
-/// nothing.
-fn nearest(unknown: &str, known: &[&str]) -> String {
-    did_you_mean(shotfleet_schema::names::nearest(unknown, known))
-}
-
+/// `did you mean `name`? ` for a known name a typo or two away, else nothing.
 fn did_you_mean(near: Option<&str>) -> String {
     near.map(|near| format!("did you mean `{near}`? ")).unwrap_or_default()
 }
@@ -310,14 +333,25 @@ fn csv_rows(text: &str, ignore: &[String]) -> Vec<Row> {
         return vec![Err(LineError { line: 1, field: headers[i].to_owned(), message: "this column is in the header twice".into() })];
     }
     let ignored = |name: &str| ignore.iter().any(|i| i == name);
-    if let Some(unknown) = headers.iter().find(|h| !NUMERIC_COLUMNS.contains(h) && !TEXT_COLUMNS.contains(h) && !ignored(h)) {
-        let known: Vec<&str> = TEXT_COLUMNS.iter().chain(NUMERIC_COLUMNS.iter()).copied().collect();
-        let message = format!(
-            "unknown column; {}known columns are {} (a column of your own, notes or dialogue: `--ignore-column {unknown}` leaves it out)",
-            nearest(unknown, &known),
-            known.join(", ")
-        );
-        return vec![Err(LineError { line: 1, field: unknown.to_owned(), message })];
+    // Every unknown column at once, so a header is fixed in one go: a misspelt one (`Job ID`) is
+    // to be renamed, and only a column of the user's own to be left out.
+    let known: Vec<&str> = TEXT_COLUMNS.iter().chain(NUMERIC_COLUMNS.iter()).copied().collect();
+    let unknown: Vec<Row> = headers
+        .iter()
+        .filter(|h| !known.contains(h) && !ignored(h))
+        .map(|unknown| {
+            let message = match shotfleet_schema::names::nearest(unknown, &known) {
+                Some(near) => format!("unknown column; did you mean `{near}`? (rename the header cell)"),
+                None => format!(
+                    "unknown column; known columns are {} (a column of your own, notes or dialogue: `--ignore-column {unknown}` leaves it out)",
+                    known.join(", ")
+                ),
+            };
+            Err(LineError { line: 1, field: unknown.to_owned(), message })
+        })
+        .collect();
+    if !unknown.is_empty() {
+        return unknown;
     }
     let spanning = multi_line_cells(text, separator);
     let mut lines = Lines { text, at: 0, line: 1 };
@@ -577,6 +611,13 @@ not json
         let board = parse("job_id,widht\nx,5\n", Format::Csv, &Limits::default());
         assert_eq!(board.errors[0].field, "widht");
         assert!(board.errors[0].message.starts_with("unknown column; did you mean `width`?"), "{}", board.errors[0].message);
+        // A spreadsheet's own header: every unknown column named, none but its own to leave out.
+        let board = parse("Job ID,project,shot_id,prompt,width,height,steps,CFG,seed,Scene\nx,p,s,x,64,64,2,5,1,a\n", Format::Csv, &Limits::default());
+        let said: Vec<(&str, &str)> = board.errors.iter().map(|e| (e.field.as_str(), e.message.as_str())).collect();
+        assert_eq!(said.len(), 3, "{said:?}");
+        assert_eq!(said[0], ("job id", "unknown column; did you mean `job_id`? (rename the header cell)"));
+        assert!(said[1].0 == "cfg" && said[1].1.contains("`--ignore-column cfg`"), "{said:?}");
+        assert!(said[2].0 == "scene" && said[2].1.contains("`--ignore-column scene`"), "{said:?}");
         // A spreadsheet's capitalized header reads.
         let board = parse("Job_ID,Project,Shot_ID,Prompt,Width,Height,Steps,Guidance,Seed\na,p,s,x,64,64,2,5,1\n", Format::Csv, &Limits::default());
         assert!(board.errors.is_empty(), "{:?}", board.errors);
@@ -584,6 +625,19 @@ not json
     }
 
     const SHOT: &str = r#""job_id":"a1","project":"p","shot_id":"s1","prompt":"x","width":64,"height":64,"steps":2,"guidance":5,"seed":1"#;
+
+    #[test]
+    fn pretty_printed_shots_are_read_each_from_its_first_line() {
+        let shot = |id: &str| serde_json::to_string_pretty(&serde_json::from_str::<Value>(&format!("{{{}}}", SHOT.replace("a1", id))).unwrap()).unwrap();
+        let text = format!("{}\n{}\n", shot("a1"), shot("a2"));
+        let board = parse(&text, Format::JsonLines, &Limits::default());
+        assert!(board.errors.is_empty(), "{:?}", board.errors);
+        let lines: Vec<usize> = board.shots.iter().map(|s| s.line).collect();
+        assert_eq!(lines, [1, shot("a1").lines().count() + 1]);
+        // Not JSON as a whole: each line's own error stands.
+        let broken = format!("{}\n{{\"job_id\":", shot("a1"));
+        assert!(!parse(&broken, Format::JsonLines, &Limits::default()).errors.is_empty());
+    }
 
     #[test]
     fn a_misspelt_json_field_is_refused_not_dropped() {
