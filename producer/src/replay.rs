@@ -29,6 +29,7 @@ use bytes::Bytes;
 use shotfleet_schema::encoding::{self, ContentType};
 use shotfleet_schema::failure::{self, FailureReason, one_line};
 use shotfleet_schema::nats::outcome::{self, OutcomeError};
+use shotfleet_schema::nats;
 use shotfleet_schema::subject::{self, JobSubject, SubjectClass};
 use shotfleet_schema::{Original, ResultStatus, ShotJob, validate};
 
@@ -375,7 +376,7 @@ async fn settle(
         Standing::Cancelled(why) => return Outcome::Skipped { why },
         Standing::Rendered(why) if dry_run => return Outcome::Rendered { why: format!("{why}; the record would be deleted") },
         Standing::Rendered(why) => {
-            return match delete(stream, record.seq).await {
+            return match nats::delete_stored(stream, record.seq).await {
                 Ok(()) => Outcome::Rendered { why: format!("{why}; the record is deleted") },
                 Err(e) => Outcome::Kept { why: format!("{why}, but the record could not be deleted: {e}") },
             };
@@ -393,7 +394,7 @@ async fn settle(
         Err(e) => return Outcome::Kept { why: format!("publishing to {target} failed: {e}; the record is kept") },
     };
     // Only now, with the job back in SHOTS, may the failed copy go.
-    if let Err(e) = delete(stream, record.seq).await {
+    if let Err(e) = nats::delete_stored(stream, record.seq).await {
         return Outcome::Kept {
             why: format!(
                 "queued on {target} as {msg_id}, but the failed copy could not be deleted: {e}; \
@@ -530,17 +531,6 @@ async fn publish(js: &jetstream::Context, resend: &Resend, msg_id: &str) -> Resu
         tracing::warn!(stream = %ack.stream, subject = %resend.subject, "replayed job stored outside the jobs stream");
     }
     Ok(ack.duplicate)
-}
-
-/// Deletes a failed record; one already gone (another replay got there first) is fine.
-async fn delete(stream: &Stream, seq: u64) -> Result<(), String> {
-    match stream.delete_message(seq).await {
-        Ok(_) => Ok(()),
-        Err(e) => match stream.get_raw_message(seq).await {
-            Err(gone) if gone.kind() == LastRawMessageErrorKind::NoMessageFound => Ok(()),
-            _ => Err(e.to_string()),
-        },
-    }
 }
 
 /// `42s`, `17m`, `5h`, `3d`: an age for a table.

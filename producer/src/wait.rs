@@ -130,8 +130,6 @@ pub async fn wait(
     // Failures read from what was stored before the wait began: told only once that is read
     // through, and only if no later result of the job (a replay, `--again`) replaced them.
     let mut untold: Vec<String> = Vec::new();
-    // A message read while waiting for the history to go quiet.
-    let mut held = None;
     let deadline = timeout.map(|t| tokio::time::Instant::now() + t);
     let settled = |done: &HashSet<String>, outcomes: &HashMap<String, Outcome>, behind: &HashSet<usize>| {
         done.len() >= wanted.len() && (behind.is_empty() || !outcomes.values().any(Outcome::is_failed))
@@ -140,29 +138,25 @@ pub async fn wait(
     while !settled(&done, &outcomes, &behind) {
         // Stored messages come at once: a feed quiet this long while behind has nothing more to
         // deliver (its last stored message may have been deleted before it was delivered, and
-        // none then says `pending: 0`).
-        if !behind.is_empty() {
-            let idle = tokio::time::Instant::now() + HISTORY_IDLE;
-            let quiet_until = deadline.map_or(idle, |deadline| deadline.min(idle));
-            if let Ok(next) = tokio::time::timeout_at(quiet_until, messages.next()).await {
-                held = Some(next);
-            } else if quiet_until == idle {
-                behind.clear();
-                tell_standing_failures(&mut untold, &outcomes, &mut on_outcome);
-                continue;
-            }
-        }
-        let next = match (held.take(), deadline) {
-            (Some(next), _) => next,
-            (None, Some(deadline)) => match tokio::time::timeout_at(deadline, messages.next()).await {
+        // none then says `pending: 0`). Only a quiet spell that ends before the deadline counts.
+        let quiet = (!behind.is_empty())
+            .then(|| tokio::time::Instant::now() + HISTORY_IDLE)
+            .filter(|quiet| deadline.is_none_or(|deadline| *quiet < deadline));
+        let next = match quiet.or(deadline) {
+            None => messages.next().await,
+            Some(until) => match tokio::time::timeout_at(until, messages.next()).await {
                 Ok(next) => next,
+                Err(_) if quiet.is_some() => {
+                    behind.clear();
+                    tell_standing_failures(&mut untold, &outcomes, &mut on_outcome);
+                    continue;
+                }
                 Err(_) => {
                     let mut pending: Vec<String> = wanted.keys().filter(|key| !done.contains(*key)).cloned().collect();
                     pending.sort();
                     return Err(WaitError::TimedOut { after: timeout.unwrap_or_default(), pending, so_far: outcomes });
                 }
             },
-            (None, None) => messages.next().await,
         };
         let Some((feed, message)) = next else { break };
         let Ok(message) = message else { continue };

@@ -3,7 +3,7 @@
 //! value from the payload safe). Replay reads them back. [`record`] fails a job: the record, the
 //! job's `failed` outcome, the sweep of its objects.
 
-use async_nats::jetstream::stream::{LastRawMessageErrorKind, Stream};
+use async_nats::jetstream::stream::LastRawMessageErrorKind;
 use bytes::Bytes;
 use shotfleet_schema::failure::{FailureReason, RecordFacts, RecordHeaders, one_line};
 use shotfleet_schema::subject::{self, Priority};
@@ -43,7 +43,7 @@ pub async fn publish(shared: &Shared, payload: Bytes, facts: &RecordFacts<'_>) -
 /// worker committed while this one failed it), so nobody replays a finished job.
 pub async fn withdraw(shared: &Shared, sequence: u64) {
     let removed = match shared.js.get_stream(subject::FAILED_STREAM).await {
-        Ok(stream) => delete_record(&stream, sequence).await,
+        Ok(stream) => shotfleet_schema::nats::delete_stored(&stream, sequence).await,
         Err(e) => Err(e.to_string()),
     };
     if let Err(e) = removed {
@@ -84,25 +84,13 @@ pub async fn withdraw_rendered(shared: &Shared, records: &[u64], project: &str, 
                 continue;
             }
         }
-        match delete_record(&stream, sequence).await {
+        match shotfleet_schema::nats::delete_stored(&stream, sequence).await {
             Ok(()) => tracing::info!(job = job_id, seq = sequence, "withdrew a failed record of the job: it is rendered now"),
             Err(e) => tracing::warn!(job = job_id, seq = sequence, error = %e, "could not withdraw a failed record of a job now rendered; `shotfleet replay` finds it rendered and deletes it"),
         }
     }
 }
 
-/// Deletes a failed record. One already gone (replayed, or withdrawn by another worker) is no
-/// error: the record is gone either way (the server's code for that differs between versions,
-/// so the record is looked for).
-async fn delete_record(stream: &Stream, sequence: u64) -> Result<(), String> {
-    match stream.delete_message(sequence).await {
-        Ok(_) => Ok(()),
-        Err(e) => match stream.get_raw_message(sequence).await {
-            Err(gone) if gone.kind() == LastRawMessageErrorKind::NoMessageFound => Ok(()),
-            _ => Err(e.to_string()),
-        },
-    }
-}
 
 /// A job to fail, whoever holds it: a worker settling its delivery, or the advisory rescue
 /// copying a message no worker answered for.

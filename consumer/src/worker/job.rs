@@ -232,17 +232,14 @@ fn ignored_fields(job: &ShotJob, content_type: Option<&str>, payload: &[u8]) -> 
     if unknown.is_empty() {
         return None;
     }
-    let logged: Vec<String> = unknown.iter().take(NAMED).map(|field| one_line(&field.path, 64)).collect();
-    warn!(job = %job.job_id, fields = ?logged, count = unknown.len(), "the job has fields that are no job's (contract v1): ignored");
-    let mut named: Vec<String> = unknown
+    let shown: Vec<String> = unknown.iter().take(NAMED).map(|field| one_line(&field.path, 64)).collect();
+    warn!(job = %job.job_id, fields = ?shown, count = unknown.len(), "the job has fields that are no job's (contract v1): ignored");
+    let mut named: Vec<String> = shown
         .iter()
-        .take(NAMED)
-        .map(|field| {
-            let shown = one_line(&field.path, 64);
-            match field.near {
-                Some(near) => format!("`{shown}` (did you mean `{near}`?)"),
-                None => format!("`{shown}`"),
-            }
+        .zip(&unknown)
+        .map(|(shown, field)| match field.near {
+            Some(near) => format!("`{shown}` (did you mean `{near}`?)"),
+            None => format!("`{shown}`"),
         })
         .collect();
     if unknown.len() > NAMED {

@@ -28,6 +28,23 @@ pub fn header_value(headers: &async_nats::HeaderMap, name: &str) -> Option<Strin
     value.map(|v| v.as_str().to_owned())
 }
 
+/// Deletes the message at `sequence` of `stream`. One already gone (deleted by another client
+/// first, as two replays or a replay and a worker may) is no error: it is gone either way. The
+/// server's code for a missing message differs between versions, so it is looked for instead.
+///
+/// # Errors
+/// The delete's own error, when the message is still there or cannot be looked for.
+pub async fn delete_stored(stream: &async_nats::jetstream::stream::Stream, sequence: u64) -> Result<(), String> {
+    use async_nats::jetstream::stream::LastRawMessageErrorKind;
+    match stream.delete_message(sequence).await {
+        Ok(_) => Ok(()),
+        Err(e) => match stream.get_raw_message(sequence).await {
+            Err(gone) if gone.kind() == LastRawMessageErrorKind::NoMessageFound => Ok(()),
+            _ => Err(e.to_string()),
+        },
+    }
+}
+
 /// The Content-Type of a message ([`crate::encoding::HEADER`], any case).
 pub fn content_type(headers: &async_nats::HeaderMap) -> Option<String> {
     header_value(headers, crate::encoding::HEADER)
